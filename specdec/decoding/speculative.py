@@ -1,0 +1,139 @@
+"""Chain speculative decoding for one sequence, and plain decoding through the same loop.
+
+Each round (Leviathan et al. 2023; Chen et al. 2023): the drafter proposes up to k tokens after
+the sequence; the target runs once over [last token, draft...] on top of its KV cache; the
+verifier keeps the accepted prefix and adds one token of the target's own; both caches are
+rolled back to what was kept. Without a drafter the same loop is plain autoregressive decoding,
+so the baseline and the method share every line of code outside the draft.
+
+Invariant: the target's cache holds every token of the sequence except the last one, which is
+fed at the start of the next round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.decoding.sampling import SamplingParams, choose, probabilities
+from specdec.decoding.session import ModelSession
+from specdec.decoding.verify import verify_greedy, verify_sampling
+from specdec.drafters.base import Drafter
+
+
+@dataclass
+class Generation:
+    """One decoded sequence and how it was decoded.
+
+    Attributes:
+        tokens: the new tokens (EOS included when reached), at most max_new_tokens.
+        drafted: per round, the number of draft tokens verified.
+        accepted: per round, the number of draft tokens accepted.
+        draft_seconds / verify_seconds / round_seconds: per-round times (round = draft +
+            verify forward + acceptance and bookkeeping).
+        prefill_seconds: the prompt's forward and the first token.
+        target_forward_seconds / draft_forward_seconds: time inside model forwards.
+        finished: the sequence ended with EOS.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    target_forward_seconds: float = 0.0
+    draft_forward_seconds: float = 0.0
+    finished: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + sum(self.round_seconds)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens emitted by rounds (the first token comes from the prefill)."""
+        return max(len(self.tokens) - 1, 0)
+
+
+def generate(
+    target: ModelSession,
+    prompt: Sequence[int],
+    *,
+    drafter: Drafter | None = None,
+    k: int = 4,
+    max_new_tokens: int = 128,
+    params: SamplingParams = SamplingParams(),
+    eos_token_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Decode one continuation of ``prompt`` with speculative decoding (plain without drafter).
+
+    Args:
+        target: the target's session; it is reset here.
+        prompt: prompt token ids.
+        drafter: proposes draft tokens; None decodes autoregressively.
+        k: draft tokens per round (fewer near max_new_tokens).
+        max_new_tokens: upper bound on new tokens, EOS included.
+        params: greedy when temperature is 0, else lossless speculative sampling.
+        eos_token_ids: tokens that end the sequence (emitted, then decoding stops).
+        generator: randomness for sampling and the acceptance test.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    out = Generation()
+    eos = set(eos_token_ids)
+    clock = target.clock
+    target.reset()
+    target_start = target.forward_seconds
+    draft_start = drafter.draft_seconds if drafter else 0.0
+
+    t0 = clock()
+    logits = target.extend(list(prompt), last_only=True)
+    out.tokens.append(int(choose(logits[-1], params, generator)))
+    if drafter is not None:
+        drafter.begin(prompt, target.hidden or None)
+    out.prefill_seconds = clock() - t0
+
+    sequence = list(prompt) + out.tokens
+    while out.tokens[-1] not in eos and len(out.tokens) < max_new_tokens:
+        t0 = clock()
+        budget = min(k, max_new_tokens - len(out.tokens) - 1)
+        if drafter is not None and budget > 0:
+            proposal = drafter.propose(sequence, budget, params, generator)
+            draft, q = proposal.tokens.to(target.device), proposal.probs
+        else:
+            draft, q = torch.empty(0, dtype=torch.long, device=target.device), None
+        t1 = clock()
+        logits = target.extend(torch.cat([torch.tensor(sequence[-1:], device=draft.device), draft]))
+        if params.greedy:
+            n, new = verify_greedy(draft, logits)
+        else:
+            n, new = verify_sampling(draft, q, probabilities(logits, params), generator)
+        t2 = clock()
+        target.rollback(len(sequence) + n)
+        if drafter is not None:
+            drafter.commit(n, {i: h[: n + 1] for i, h in target.hidden.items()} or None)
+        new = _stop_at_eos(new, eos)[: max_new_tokens - len(out.tokens)]
+        out.tokens += new
+        sequence += new
+        out.drafted.append(len(draft))
+        out.accepted.append(n)
+        out.draft_seconds.append(t1 - t0)
+        out.verify_seconds.append(t2 - t1)
+        out.round_seconds.append(clock() - t0)
+
+    out.finished = out.tokens[-1] in eos
+    out.target_forward_seconds = target.forward_seconds - target_start
+    out.draft_forward_seconds = (drafter.draft_seconds - draft_start) if drafter else 0.0
+    return out
+
+
+def _stop_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
