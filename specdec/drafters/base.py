@@ -60,6 +60,13 @@ class Drafter:
         """The target accepted ``num_accepted`` tokens of the last proposal and added one of
         its own. ``target_features`` covers the positions newly in the target's cache."""
 
+    @classmethod
+    def from_checkpoint(cls, path: str, target) -> Drafter:
+        """Load a trained drafter saved by specdec for ``target`` (a FrozenTarget)."""
+        from specdec.errors import ModelError
+
+        raise ModelError(f"{path}: drafter '{cls.name}' has no trained checkpoints to load")
+
     @property
     def draft_seconds(self) -> float:
         """Seconds this drafter spent in model forwards (0 for model-free drafters)."""

@@ -1,0 +1,32 @@
+# Two commands from a fresh clone: `make demo` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU machine gets the CPU wheel; with torch already in the venv (a GPU build), nothing is
+# reinstalled. Override e.g. `make setup TORCH="torch==2.13.0 --index-url ..."`.
+TORCH ?= torch==2.13.0
+DEMO_RECIPE ?= recipes/smollm2-135m/demo.yaml
+
+.PHONY: setup demo test test-fast lint
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH)
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/specdec data regenerate --config $(DEMO_RECIPE)
+	$(BIN)/specdec score --drafter prompt_lookup --num-prompts 6 --max-new-tokens 96 \
+		--out runs/demo/prompt_lookup/score.json
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

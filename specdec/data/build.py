@@ -1,0 +1,120 @@
+"""From a recipe to training data: prompts (held-out prompts removed), the target's own answers.
+
+The usual drafter recipe needs only prompts: the frozen target regenerates the responses
+(self-distillation), so the drafter learns the distribution it will be verified against.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specdec.config import PromptSource, Recipe, load_recipe, save_recipe
+from specdec.data.chat import build_sft_dataset, prompt_messages
+from specdec.data.prompts import load_prompt_rows, split_heldout
+from specdec.data.regenerate import RegenerateStats, load_regenerated, regenerate
+from specdec.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataReport:
+    """What building the data did (printed by the command, kept in the run directory)."""
+
+    dataset_dir: str
+    num_prompts: int
+    num_heldout_removed: int
+    regenerate: dict
+    sft: dict
+    loss_tokens: int
+
+
+def gather_prompts(sources: list[PromptSource], cache_dir: str | None) -> list[dict]:
+    """Rows of every source, each with a unique ``id`` prefixed by its source."""
+    rows = []
+    for src in sources:
+        loaded = load_prompt_rows(src.source, fmt=src.format, split=src.split, cache=cache_dir)
+        if src.category:
+            loaded = [r for r in loaded if r.get("category") == src.category]
+        for i, row in enumerate(loaded[: src.limit]):
+            row["id"] = f"{Path(src.source).stem}:{row.get('id', i)}"
+            rows.append(row)
+    return rows
+
+
+def training_prompts(recipe: Recipe) -> tuple[list[dict], int]:
+    """The recipe's training prompts, held-out evaluation prompts removed, sampled with the
+    run's seed down to ``data.max_prompts``. Returns the rows and how many were removed."""
+    cache = recipe.target.cache_dir
+    train = gather_prompts(recipe.data.prompts, cache)
+    heldout = gather_prompts(recipe.eval.prompts, cache)
+    kept = split_heldout(train, heldout)
+    removed = len(train) - len(kept)
+    random.Random(recipe.run.seed).shuffle(kept)
+    kept = kept[: recipe.data.max_prompts]
+    if not kept:
+        raise DataError("data.prompts: no training prompts left after removing held-out ones")
+    return kept, removed
+
+
+def build_data(recipe: Recipe, target) -> DataReport:
+    """Regenerate the answers of the recipe's training prompts with ``target``."""
+    rows, removed = training_prompts(recipe)
+    out = Path(recipe.data.dataset_dir or recipe.run_dir / "data")
+    gen = recipe.data.regenerate
+    if not gen.enabled:
+        raise DataError("data.regenerate.enabled is false: there is nothing to regenerate")
+    prompts = [
+        {"id": r["id"], "messages": prompt_messages(r["messages"]), "category": r.get("category")}
+        for r in rows
+    ]
+    stats: RegenerateStats = regenerate(
+        target.model,
+        target.tokenizer,
+        prompts,
+        out,
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        batch_size=gen.batch_size,
+        seed=gen.seed,
+        shard_size=gen.shard_size,
+        max_prompt_length=recipe.data.max_length,
+    )
+    dataset, sft = build_sft_dataset(
+        list(load_regenerated(out)),
+        target.tokenizer,
+        recipe.data.max_length,
+        recipe.data.overflow,
+        recipe.data.require_assistant,
+        source=str(out),
+    )
+    loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
+    return DataReport(str(out), len(rows), removed, asdict(stats), sft.as_dict(), loss_tokens)
+
+
+def regenerate_from_recipe(path: str, overrides: list[str]) -> DataReport:
+    """``specdec data regenerate``: load the recipe and target, build the data, report."""
+    from specdec.target import FrozenTarget
+
+    recipe = load_recipe(path, overrides)
+    recipe.run_dir.mkdir(parents=True, exist_ok=True)
+    save_recipe(recipe, recipe.run_dir / "recipe.yaml")
+    target = FrozenTarget.from_config(recipe.target)
+    report = build_data(recipe, target)
+    regen = report.regenerate
+    print(
+        f"prompts {report.num_prompts} (held-out removed: {report.num_heldout_removed}); "
+        f"regenerated {regen['num_done']} now, {regen['num_skipped']} reused from disk; "
+        f"{regen['new_tokens']} new tokens in {regen['seconds']:.1f} s "
+        f"({regen['tokens_per_second']:.1f} tokens/s); {regen['truncated']} hit max_new_tokens"
+    )
+    print(
+        f"training rows {report.sft['kept']} (truncated {report.sft['truncated']}, dropped "
+        f"{report.sft['dropped']}), {report.loss_tokens} assistant tokens -> {report.dataset_dir}"
+    )
+    return report

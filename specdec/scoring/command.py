@@ -1,0 +1,110 @@
+"""The scoring job: load a target and a drafter, score held-out prompts, write the report."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.drafters import DraftModelDrafter, PromptLookupDrafter, drafter_class
+from specdec.drafters.base import Drafter
+from specdec.drafters.draft_model import load_draft_model
+from specdec.errors import ConfigError, DataError, ModelError
+from specdec.scoring import report
+from specdec.scoring.run import ScoreSettings, score
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROMPTS = ("mtbench", "humaneval")
+CHECKPOINT_FILE = "drafter.json"
+
+
+@dataclass
+class ScoreJob:
+    """What to score. Exactly one of ``checkpoint``, ``drafter`` or ``draft_model``."""
+
+    checkpoint: str | None = None
+    drafter: str | None = None
+    draft_model: str | None = None
+    target: str | None = None
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    num_prompts: int = 8
+    out: str | None = None
+    cache_dir: str | None = None
+    dtype: str = "float32"
+    max_ngram: int = 3
+
+
+def read_checkpoint(path: str) -> dict:
+    """The drafter description saved beside a checkpoint's weights."""
+    meta = Path(path) / CHECKPOINT_FILE
+    if not Path(path).is_dir() or not meta.is_file():
+        raise ModelError(f"not a specdec checkpoint: {path} (no {CHECKPOINT_FILE} found)")
+    try:
+        return json.loads(meta.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelError(f"{meta}: unreadable ({err.msg}, line {err.lineno})") from None
+
+
+def build_drafter(job: ScoreJob, target) -> Drafter:
+    """The drafter a job names, checked against the target."""
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    if job.checkpoint:
+        meta = read_checkpoint(job.checkpoint)
+        cls = drafter_class(meta.get("type", "?"))
+        return cls.from_checkpoint(job.checkpoint, target)
+    if job.draft_model:
+        return load_draft_model(job.draft_model, target.tokenizer, vocab, device=target.device)
+    cls = drafter_class(job.drafter or "")
+    if cls is PromptLookupDrafter:
+        return PromptLookupDrafter(max_ngram=job.max_ngram)
+    if cls is DraftModelDrafter:
+        raise ConfigError("drafter 'draft_model' needs --draft-model PATH_OR_ID or --checkpoint")
+    raise ConfigError(f"drafter '{job.drafter}' is scored from a trained --checkpoint")
+
+
+def load_prompts(sources: tuple[str, ...], num_prompts: int, cache_dir=None) -> list[dict]:
+    """``num_prompts`` rows taken round-robin from the sources, so every source is present."""
+    from specdec.data.prompts import load_prompt_rows
+
+    if num_prompts < 1:
+        raise ConfigError(f"num_prompts: must be >= 1, got {num_prompts}")
+    pools = [load_prompt_rows(src, cache=cache_dir) for src in sources]
+    for src, pool in zip(sources, pools, strict=True):
+        for row in pool:
+            row.setdefault("category", row.get("category") or Path(src).stem)
+    rows, i = [], 0
+    while len(rows) < num_prompts and any(i < len(p) for p in pools):
+        rows += [p[i] for p in pools if i < len(p)]
+        i += 1
+    if not rows:
+        raise DataError(f"no usable prompts in {', '.join(sources)}")
+    return rows[:num_prompts]
+
+
+def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
+    """Score the job's drafter; write score.json and score.png; return the result."""
+    from specdec.target import FrozenTarget
+
+    settings.check()
+    chosen = [x for x in (job.checkpoint, job.drafter, job.draft_model) if x]
+    if len(chosen) != 1:
+        raise ConfigError("give exactly one of --checkpoint, --drafter or --draft-model")
+    target_spec = job.target
+    if target_spec is None and job.checkpoint:
+        target_spec = read_checkpoint(job.checkpoint).get("target")
+    target = FrozenTarget.load(
+        target_spec or "smollm2-135m-instruct", dtype=job.dtype, cache_dir=job.cache_dir
+    )
+    drafter = build_drafter(job, target)
+    # prompt rows take the warm-up on top of the requested count
+    rows = load_prompts(job.prompts, job.num_prompts + settings.warmup_prompts, job.cache_dir)
+    result = score(target.model, target.tokenizer, drafter, rows, settings)
+    result["target"] = target.name
+    result["prompts"] = list(job.prompts)
+    out = Path(job.out or (Path(job.checkpoint) / "score.json" if job.checkpoint else "score.json"))
+    report.write_json(result, out)
+    result["plot"] = str(report.plot(result, out.with_suffix(".png")))
+    result["json"] = str(out)
+    return result

@@ -1,0 +1,107 @@
+"""What a scoring run measured, reduced to the numbers that say what a drafter is worth.
+
+tau: tokens emitted per target forward in the decoding rounds, bonus token included (plain
+decoding has tau = 1). Acceptance per draft position i: unconditional P(accepted length >= i)
+and conditional P(position i accepted | positions < i accepted). Cost ratios (Leviathan et al.
+2023, sec. 3): c = one draft step / one target step, v = one verify forward of k+1 tokens / one
+target step. The analytic speedup for a per-token acceptance rate alpha is
+(1 - alpha^(k+1)) / ((1 - alpha) (k c + v)); the decoder's efficiency is the measured speedup
+over that bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specdec.decoding.speculative import Generation
+
+
+def acceptance(gens: Sequence[Generation], k: int) -> dict:
+    """Per-position acceptance and the accepted-length histogram over all rounds.
+
+    Returns:
+        ``{"tau", "alpha", "accept_rate_per_position", "conditional_accept_rate_per_position",
+        "accepted_length_histogram", "rounds", "mean_drafted"}``; position lists have k entries.
+    """
+    drafted = [d for g in gens for d in g.drafted]
+    accepted = [a for g in gens for a in g.accepted]
+    rounds = len(drafted)
+    emitted = sum(g.decode_tokens for g in gens)
+    reached = [
+        sum(1 for d, a in zip(drafted, accepted, strict=True) if d >= i and a >= i - 1)
+        for i in range(1, k + 1)
+    ]
+    passed = [sum(1 for a in accepted if a >= i) for i in range(1, k + 1)]
+    offered = [sum(1 for d in drafted if d >= i) for i in range(1, k + 1)]
+    rejections = sum(1 for d, a in zip(drafted, accepted, strict=True) if a < d)
+    return {
+        "tau": emitted / rounds if rounds else 0.0,
+        "alpha": _ratio(sum(accepted), sum(accepted) + rejections),
+        "accept_rate_per_position": [_ratio(p, o) for p, o in zip(passed, offered, strict=True)],
+        "conditional_accept_rate_per_position": [
+            _ratio(p, r) for p, r in zip(passed, reached, strict=True)
+        ],
+        "accepted_length_histogram": [sum(1 for a in accepted if a == n) for n in range(k + 1)],
+        "rounds": rounds,
+        "mean_drafted": _ratio(sum(drafted), rounds),
+    }
+
+
+def timing(method: Sequence[Generation], baseline: Sequence[Generation]) -> dict:
+    """Throughput of method and baseline over the same prompts, and where the time went."""
+    m_tokens = sum(len(g.tokens) for g in method)
+    b_tokens = sum(len(g.tokens) for g in baseline)
+    m_seconds = sum(g.seconds for g in method)
+    b_seconds = sum(g.seconds for g in baseline)
+    m_rounds = sum(len(g.round_seconds) for g in method)
+    b_rounds = sum(len(g.round_seconds) for g in baseline)
+    round_seconds = sum(sum(g.round_seconds) for g in method)
+    forwards = sum(g.target_forward_seconds + g.draft_forward_seconds for g in method)
+    prefill = sum(g.prefill_seconds for g in method)
+    tps = _ratio(m_tokens, m_seconds)
+    base_tps = _ratio(b_tokens, b_seconds)
+    return {
+        "tokens_per_second": tps,
+        "baseline_tokens_per_second": base_tps,
+        "speedup": _ratio(tps, base_tps),
+        "new_tokens": m_tokens,
+        "baseline_new_tokens": b_tokens,
+        "seconds": m_seconds,
+        "baseline_seconds": b_seconds,
+        "draft_seconds_per_round": _ratio(sum(sum(g.draft_seconds) for g in method), m_rounds),
+        "verify_seconds_per_round": _ratio(sum(sum(g.verify_seconds) for g in method), m_rounds),
+        "target_step_seconds": _ratio(sum(sum(g.round_seconds) for g in baseline), b_rounds),
+        # time in rounds spent outside model forwards (sampling, verification, bookkeeping)
+        "overhead_fraction": _ratio(round_seconds + prefill - forwards, round_seconds + prefill),
+    }
+
+
+def speedup_bound(alpha: float, k: float, c: float, v: float) -> float:
+    """Expected speedup of chain drafting with per-token acceptance ``alpha`` (Leviathan et
+    al. 2023, Theorem 3.8, with the verify forward costing ``v`` target steps)."""
+    if k <= 0:
+        return 1.0 / v if v > 0 else 0.0
+    expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected / (k * c + v)
+
+
+def greedy_identity(method: Sequence[Generation], baseline: Sequence[Generation]) -> dict:
+    """Token-for-token agreement of method and baseline outputs (meaningful at T = 0)."""
+    identical = [m.tokens == b.tokens for m, b in zip(method, baseline, strict=True)]
+    divergences = []
+    for i, (m, b) in enumerate(zip(method, baseline, strict=True)):
+        pos = _first_difference(m.tokens, b.tokens)
+        if pos is not None:
+            divergences.append({"prompt": i, "position": pos})
+    return {"greedy_match_rate": _ratio(sum(identical), len(identical)), "divergences": divergences}
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0

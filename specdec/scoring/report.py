@@ -1,0 +1,103 @@
+"""score.json, a readable table and a plot of acceptance by position and accepted lengths."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_json(result: dict, path: str | Path) -> Path:
+    """Write ``result`` atomically (temp file then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(result, f, indent=2, default=str)
+    os.replace(f.name, path)
+    return path
+
+
+def table(result: dict) -> str:
+    """A plain-text summary of a score."""
+    s = result["settings"]
+    rows = [
+        ("drafter", result["drafter"]),
+        ("prompts", f"{result['num_prompts']} (+{result['warmup_prompts']} warm-up)"),
+        ("k / temperature", f"{s['k']} / {s['temperature']}"),
+        ("tau (tokens per target forward)", f"{result['tau']:.3f}"),
+        ("alpha (per-token acceptance)", f"{result['alpha']:.3f}"),
+        ("accept@i", " ".join(f"{a:.2f}" for a in result["accept_rate_per_position"])),
+        (
+            "accept@i | accepted <i",
+            " ".join(f"{a:.2f}" for a in result["conditional_accept_rate_per_position"]),
+        ),
+        ("accepted-length histogram", " ".join(map(str, result["accepted_length_histogram"]))),
+        ("c (draft step / target step)", f"{result['c']:.3f}"),
+        ("v (verify / target step)", f"{result['v']:.3f}"),
+        (
+            "tokens/s method / baseline",
+            f"{result['tokens_per_second']:.2f} / {result['baseline_tokens_per_second']:.2f}",
+        ),
+        ("speedup", f"{result['speedup']:.3f}x"),
+        (
+            "analytic bound / efficiency",
+            f"{result['bound_speedup']:.3f}x / {result['efficiency']:.2f}",
+        ),
+        ("overhead outside forwards", f"{100 * result['overhead_fraction']:.1f}%"),
+    ]
+    if result.get("greedy_match_rate") is not None:
+        rows.append(("greedy identity", f"{100 * result['greedy_match_rate']:.1f}% of prompts"))
+        for d in result.get("divergences", []):
+            rows.append(
+                (
+                    "  diverged",
+                    f"prompt {d['prompt']} at token {d['position']}, "
+                    f"top-2 margin {d.get('top2_margin', float('nan')):.2e}",
+                )
+            )
+    profile = result.get("cost_profile_ratio", {})
+    rows.append(("verify cost, m tokens / 1", " ".join(f"{m}:{r:.2f}" for m, r in profile.items())))
+    for cat, r in result.get("per_category", {}).items():
+        rows.append(
+            (f"  {cat}", f"tau {r['tau']:.2f}, speedup {r['speedup']:.2f}x, n={r['num_prompts']}")
+        )
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def plot(result: dict, path: str | Path) -> Path:
+    """Acceptance by draft position and the accepted-length histogram, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    positions = range(1, len(result["accept_rate_per_position"]) + 1)
+    left.plot(positions, result["accept_rate_per_position"], "o-", label="P(accepted length >= i)")
+    left.plot(
+        positions,
+        result["conditional_accept_rate_per_position"],
+        "s--",
+        label="P(i accepted | < i accepted)",
+    )
+    left.set(
+        xlabel="draft position i",
+        ylabel="rate",
+        ylim=(0, 1.05),
+        title=f"acceptance (tau = {result['tau']:.2f})",
+    )
+    left.legend(fontsize=8)
+    hist = result["accepted_length_histogram"]
+    right.bar(range(len(hist)), hist)
+    right.set(
+        xlabel="accepted draft tokens per round",
+        ylabel="rounds",
+        title=f"{result['drafter']}: speedup {result['speedup']:.2f}x",
+    )
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

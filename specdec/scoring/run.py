@@ -1,0 +1,222 @@
+"""Score a drafter: decode held-out prompts with it and without it, in one run, and measure.
+
+Plain decoding and speculative decoding run through the same loop (see
+:mod:`specdec.decoding.speculative`), prompt by prompt interleaved so that drift in machine load
+hits both alike, after warm-up prompts whose timings are dropped. The verify cost profile (the
+target's forward time for 1..k+1 new tokens) is measured here too, because on a CPU the cost
+of a forward is not monotonic in its length.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.session import ModelSession
+from specdec.decoding.speculative import Generation, generate
+from specdec.drafters.base import Drafter
+from specdec.errors import ConfigError
+from specdec.scoring import metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoreSettings:
+    """How to score. ``k`` draft tokens per round; sampling settings as in decoding."""
+
+    k: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    warmup_prompts: int = 1
+
+    def check(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"k: must be >= 1, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Prompt ids as the target sees them: its chat template with the generation prompt, or
+    the raw text of a model without a template."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    text = "\n\n".join(m["content"] for m in messages)
+    return tokenizer(text)["input_ids"]
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+def cost_profile(
+    model, prompt: Sequence[int], max_tokens: int, repeats: int = 5
+) -> dict[int, float]:
+    """Median seconds of one cached target forward over m = 1..max_tokens new tokens."""
+    session = ModelSession(model)
+    session.extend(list(prompt))
+    base = session.length
+    probe = (list(prompt) * (max_tokens // max(len(prompt), 1) + 1))[:max_tokens]
+    profile = {}
+    for m in range(1, max_tokens + 1):
+        times = []
+        for _ in range(repeats + 1):  # the first one warms up this shape
+            t0 = session.clock()
+            session.extend(probe[:m])
+            times.append(session.clock() - t0)
+            session.rollback(base)
+        profile[m] = statistics.median(times[1:])
+    return profile
+
+
+def score(
+    model,
+    tokenizer,
+    drafter: Drafter,
+    prompts: Sequence[dict],
+    settings: ScoreSettings,
+) -> dict:
+    """Decode every prompt with plain decoding and with ``drafter``; return the measurements.
+
+    Args:
+        model: the target causal LM.
+        tokenizer: the target's tokenizer (chat template used for the prompts).
+        drafter: the drafter under test.
+        prompts: rows with ``messages`` and optionally ``category``.
+        settings: k, sampling, lengths, seed and warm-up.
+
+    Returns:
+        The score dictionary written to score.json (see :mod:`specdec.scoring.metrics`).
+    """
+    settings.check()
+    params = settings.params
+    eos = eos_ids(model, tokenizer)
+    target = ModelSession(model, hidden_layers=drafter.required_target_layers)
+    encoded = [encode_prompt(tokenizer, row["messages"]) for row in prompts]
+    warm = min(settings.warmup_prompts, max(len(encoded) - 1, 0))
+    device = target.device
+
+    def run(ids: list[int], with_drafter: bool, index: int) -> Generation:
+        gen = torch.Generator(device=device).manual_seed(settings.seed + index)
+        return generate(
+            target,
+            ids,
+            drafter=drafter if with_drafter else None,
+            k=settings.k,
+            max_new_tokens=settings.max_new_tokens,
+            params=params,
+            eos_token_ids=eos,
+            generator=gen,
+        )
+
+    method, baseline = [], []
+    for i, ids in enumerate(encoded):
+        b = run(ids, False, i)
+        m = run(ids, True, i)
+        if i >= warm:
+            baseline.append(b)
+            method.append(m)
+        logger.info(
+            "prompt %d/%d: %d tokens, %d rounds, tau %.2f",
+            i + 1,
+            len(encoded),
+            len(m.tokens),
+            len(m.drafted),
+            m.decode_tokens / max(len(m.drafted), 1),
+        )
+    kept = list(prompts)[warm:]
+    result = summarize(method, baseline, settings)
+    result["cost_profile_seconds"] = cost_profile(model, encoded[0], settings.k + 1)
+    profile = result["cost_profile_seconds"]
+    result["cost_profile_ratio"] = {m: t / profile[1] for m, t in profile.items()}
+    result.update(_divergence_margins(model, encoded[warm:], baseline, result["divergences"]))
+    result["per_category"] = _per_category(kept, method, baseline, settings)
+    result["num_prompts"] = len(kept)
+    result["warmup_prompts"] = warm
+    result["settings"] = vars(settings).copy()
+    result["drafter"] = drafter.name
+    result["environment"] = environment(model)
+    return result
+
+
+def summarize(method: list[Generation], baseline: list[Generation], settings) -> dict:
+    """Acceptance, timing, cost ratios, bound and identity for matched generations."""
+    out = metrics.acceptance(method, settings.k)
+    out.update(metrics.timing(method, baseline))
+    step = out["target_step_seconds"]
+    per_draft = out["draft_seconds_per_round"] / out["mean_drafted"] if out["mean_drafted"] else 0
+    out["c"] = per_draft / step if step else 0.0
+    out["v"] = out["verify_seconds_per_round"] / step if step else 0.0
+    out["bound_speedup"] = metrics.speedup_bound(out["alpha"], settings.k, out["c"], out["v"])
+    out["efficiency"] = out["speedup"] / out["bound_speedup"] if out["bound_speedup"] else 0.0
+    out.update(metrics.greedy_identity(method, baseline))
+    if settings.temperature > 0:
+        out["greedy_match_rate"] = None  # sampled outputs are not expected to match
+        out["divergences"] = []
+    return out
+
+
+def _per_category(rows, method, baseline, settings) -> dict:
+    categories = sorted({row.get("category") for row in rows if row.get("category")})
+    per = {}
+    for cat in categories:
+        idx = [i for i, row in enumerate(rows) if row.get("category") == cat]
+        s = summarize([method[i] for i in idx], [baseline[i] for i in idx], settings)
+        keep = ("tau", "alpha", "speedup", "greedy_match_rate", "accept_rate_per_position")
+        per[cat] = {key: s[key] for key in keep} | {"num_prompts": len(idx)}
+    return per
+
+
+@torch.inference_mode()
+def _divergence_margins(model, encoded, baseline, divergences) -> dict:
+    """At each greedy divergence, the target's top-2 logit margin: a tiny margin means the
+    two runs differ by floating-point noise between verify and single-token forwards."""
+    for d in divergences:
+        tokens = encoded[d["prompt"]] + baseline[d["prompt"]].tokens[: d["position"]]
+        device = next(model.parameters()).device
+        logits = model(torch.tensor([tokens], device=device)).logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        d["top2_margin"] = float(top2[0] - top2[1])
+    return {"divergences": divergences}
+
+
+def environment(model) -> dict:
+    import transformers
+
+    import specdec
+
+    param = next(model.parameters())
+    return {
+        "specdec": specdec.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(param.device),
+        "device_name": torch.cuda.get_device_name(param.device)
+        if param.is_cuda
+        else platform.processor(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(param.dtype).replace("torch.", ""),
+    }
