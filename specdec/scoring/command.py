@@ -91,6 +91,8 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     chosen = [x for x in (job.checkpoint, job.drafter, job.draft_model) if x]
     if len(chosen) != 1:
         raise ConfigError("give exactly one of --checkpoint, --drafter or --draft-model")
+    if job.drafter:
+        drafter_class(job.drafter)  # an unknown name fails before any model is loaded
     target_spec = job.target
     if target_spec is None and job.checkpoint:
         target_spec = read_checkpoint(job.checkpoint).get("target")
