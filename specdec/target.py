@@ -1,0 +1,408 @@
+"""The frozen target: the large model whose distribution speculative decoding must reproduce.
+
+Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
+Sampling") keeps the target exactly as it is: drafters are trained on its logits and hidden
+states and verified against its logits. :class:`FrozenTarget` loads it from one spec and gives
+one forward that returns the logits plus the hidden layers a drafter asked for. It never trains.
+
+A target spec is one of:
+
+- ``"smollm2-135m-instruct"``: the embedded default, a GGUF shipped inside a pinned PyPI wheel
+  (see :mod:`specdec.assets`), converted once to safetensors under ``<cache>/models/``;
+- a path to a ``.gguf`` file, converted once to ``<cache>/models/<stem>-<sha256 prefix>/``;
+- a local directory saved with ``save_pretrained`` (or holding ``gguf_file``);
+- anything else: a hub id, loaded with ``from_pretrained(model, revision=...)``.
+
+Hidden layer indices count decoder layers from 0; layer ``i`` is transformers'
+``hidden_states[i + 1]`` (``hidden_states[0]`` is the embeddings). Negative indices count from
+the end. The last layer (``-1``, i.e. ``num_layers - 1``) is special, as in transformers: it is
+returned *after* the model's final norm, so it is exactly what the LM head reads
+(``logits == lm_head(hidden[-1])``); every other layer is the raw residual stream after that
+decoder layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from specdec import assets
+from specdec.assets import SMOLLM2_135M_GGUF, PackagedFile
+from specdec.errors import ModelError
+
+logger = logging.getLogger(__name__)
+
+#: embedded target name -> the packaged GGUF it is converted from
+EMBEDDED: dict[str, PackagedFile] = {"smollm2-135m-instruct": SMOLLM2_135M_GGUF}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _models_dir(cache: str | os.PathLike | None) -> Path:
+    return assets.cache_dir(cache) / "models"
+
+
+def _looks_local(spec: str) -> bool:
+    """A spec that can only mean a file or directory (hub ids are ``name`` or ``org/name``)."""
+    return (
+        spec.startswith(("/", ".", "~"))
+        or spec.count("/") > 1
+        or (os.sep != "/" and os.sep in spec)
+        or spec.endswith(".gguf")
+    )
+
+
+def _convert_once(out_dir: Path, gguf: Callable[[], Path]) -> str:
+    """``out_dir``, converting ``gguf()`` into it first unless an earlier run already did."""
+    if (out_dir / "config.json").is_file():
+        logger.info("using converted target %s", out_dir)
+    else:
+        convert_gguf(gguf(), out_dir)
+    return str(out_dir)
+
+
+def resolve_target_path(
+    model: str,
+    *,
+    gguf_file: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[str, str | None]:
+    """What ``from_pretrained`` should load for a target spec, fetching and converting if needed.
+
+    Args:
+        model: the target spec (see the module docstring).
+        gguf_file: GGUF file name inside a local directory or hub repo.
+        cache_dir: specdec cache root; None: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``.
+
+    Returns:
+        ``(path_or_hub_id, gguf_file)``; ``gguf_file`` is None for converted targets.
+
+    Raises:
+        ModelError: a local-looking path does not exist or is neither a directory nor a GGUF.
+        AssetError: the embedded target could not be fetched or verified.
+    """
+    if model in EMBEDDED:
+        if gguf_file is not None:
+            raise ModelError(f"gguf_file={gguf_file!r} does not apply to embedded target {model}")
+        # the converted copy is checked first: once it exists the wheel is not needed
+        fetch = partial(assets.fetch_packaged_file, EMBEDDED[model], cache_dir)
+        return _convert_once(_models_dir(cache_dir) / model, fetch), None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if gguf_file is not None and not (path / gguf_file).is_file():
+            raise ModelError(f"target not found: {path / gguf_file}")
+        return str(path), gguf_file
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"target is neither a directory nor a .gguf file: {model}")
+        out_dir = _models_dir(cache_dir) / f"{path.stem}-{assets.sha256_of(path)[:16]}"
+        return _convert_once(out_dir, lambda: path), None
+    if _looks_local(model):
+        raise ModelError(f"target not found: {model}")
+    return model, gguf_file
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Dequantize a GGUF checkpoint once and save it as safetensors with its tokenizer.
+
+    The result reloads in well under a second with bit-identical logits. It is written to a
+    temporary sibling directory and moved into place in one rename, so a conversion that died
+    half-way never looks complete; if another process finishes the same conversion first, its
+    result is kept.
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        out_dir: where the converted model goes; must not exist or be empty.
+        dtype: weight dtype of the saved model.
+
+    Returns:
+        ``out_dir``.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ModelError(f"conversion target already exists: {out_dir}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    src, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    # transformers refuses to save a model that still carries its GGUF quantizer, although the
+    # weights are already dequantized to plain tensors
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)  # safetensors, config and generation config
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except OSError:
+        if not (out_dir.is_dir() and any(out_dir.iterdir())):
+            raise
+        logger.info("%s was converted concurrently; keeping that copy", out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s to %s in %.1f s", gguf_path, out_dir, time.perf_counter() - start)
+    return out_dir
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown target dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _torch_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"unknown target device {device!r}") from None
+
+
+def load_target_model(
+    model: str,
+    *,
+    gguf_file: str | None = None,
+    revision: str | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "auto",
+    cache_dir: str | os.PathLike | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a target spec as a transformers causal LM and tokenizer, in eval mode on ``device``.
+
+    Args:
+        model: the target spec (see the module docstring).
+        gguf_file: GGUF file name inside a local directory or hub repo.
+        revision: hub revision (branch, tag or commit).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` (or a ``torch.dtype``).
+        device: ``auto`` (cuda if available, else cpu) or any torch device string.
+        cache_dir: specdec cache root for the embedded and GGUF targets.
+        attn_implementation: transformers attention backend, e.g. ``sdpa``.
+        trust_remote_code: allow custom modeling code from a hub repo.
+
+    Raises:
+        ModelError: the spec cannot be found or loaded, or dtype/device are unknown.
+    """
+    torch_dtype, torch_device = _torch_dtype(dtype), _torch_device(device)
+    path, gguf = resolve_target_path(model, gguf_file=gguf_file, cache_dir=cache_dir)
+    common: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf is not None:
+        common["gguf_file"] = gguf
+    if revision is not None:
+        common["revision"] = revision
+    model_kwargs: dict[str, Any] = {"dtype": torch_dtype, **common}
+    if attn_implementation is not None:
+        model_kwargs["attn_implementation"] = attn_implementation
+    start = time.perf_counter()
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path, **common)
+    except (OSError, ValueError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ModelError(f"could not load target {model!r}: {reason}") from err
+    lm.to(torch_device).eval()
+    logger.info(
+        "loaded target %s from %s%s (%s, %s) in %.1f s",
+        model,
+        path,
+        f" [{gguf}]" if gguf else "",
+        torch_dtype,
+        torch_device,
+        time.perf_counter() - start,
+    )
+    return lm, tokenizer
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward returns.
+
+    Attributes:
+        logits: ``[B, T, V]`` next-token logits.
+        hidden_states: resolved layer index -> ``[B, T, H]``, for the layers requested only.
+        past_key_values: the transformers cache object when a cache was used, else None.
+    """
+
+    logits: torch.Tensor
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    past_key_values: Any = None
+
+
+class FrozenTarget:
+    """A causal LM that is only ever evaluated: eval mode, no parameter requires grad.
+
+    Args:
+        model: a transformers causal LM.
+        tokenizer: its tokenizer.
+        name: short identity of the target (the spec it was loaded from).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        name: str | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "name_or_path", "") or type(model).__name__
+        # transformers 5 renamed the cache argument; older releases only know the old name
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def load(cls, model: str, **kwargs: Any) -> FrozenTarget:
+        """Load a target spec; ``kwargs`` are those of :func:`load_target_model`."""
+        lm, tokenizer = load_target_model(model, **kwargs)
+        return cls(lm, tokenizer, name=model)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> FrozenTarget:
+        """Load from a ``TargetConfig`` (or any object with the same attributes)."""
+        return cls.load(
+            cfg.model,
+            gguf_file=cfg.gguf_file,
+            revision=cfg.revision,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            cache_dir=cfg.cache_dir,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def _text_config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self._text_config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self._text_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (may exceed ``len(tokenizer)`` when the vocabulary is padded)."""
+        head = self.model.get_output_embeddings()
+        return head.out_features if head is not None else self._text_config.vocab_size
+
+    def resolve_layers(self, layers: Sequence[int]) -> list[int]:
+        """Map layer indices (negatives count from the end) to ``0..num_layers - 1``.
+
+        Raises:
+            ModelError: an index is out of range; the message names it and the valid range.
+        """
+        n = self.num_layers
+        resolved = []
+        for layer in layers:
+            if not -n <= layer < n:
+                raise ModelError(
+                    f"hidden layer {layer} out of range for target {self.name} with {n} layers "
+                    f"(valid: {-n}..{n - 1})"
+                )
+            resolved.append(layer % n)
+        return list(dict.fromkeys(resolved))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        hidden_layers: Sequence[int] = (),
+        past_key_values: Any = None,
+        use_cache: bool = False,
+    ) -> TargetOutput:
+        """Run the target once.
+
+        Args:
+            input_ids: ``[B, T]`` token ids (only the new ones when a cache is given).
+            attention_mask: ``[B, T_past + T]`` padding mask or a 4-D mask, as transformers takes.
+            position_ids: ``[B, T]``; None: counted on from the cache length.
+            hidden_layers: decoder layers to return (see the module docstring for the indexing;
+                ``-1`` is after the final norm). Hidden states are computed only when asked.
+            past_key_values: a transformers cache from an earlier call; updated in place.
+            use_cache: build and return a cache (implied when ``past_key_values`` is given).
+
+        Returns:
+            :class:`TargetOutput` with logits ``[B, T, V]`` and ``{layer: [B, T, H]}``.
+        """
+        layers = self.resolve_layers(hidden_layers)
+        if self.model.training:  # someone called .train() on the inner model: undo it
+            self.model.eval()
+        use_cache = use_cache or past_key_values is not None
+        device = self.device
+        kwargs: dict[str, Any] = {"use_cache": use_cache}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(device)
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.to(device)
+        if past_key_values is not None:
+            kwargs[self._cache_arg] = past_key_values
+        if layers:
+            # an index list keeps only those states where transformers supports it; elsewhere
+            # it is just a true flag and all states come back, indexed the same way
+            kwargs["output_hidden_states"] = [i + 1 for i in layers]
+        out = self.model(input_ids=input_ids.to(device), **kwargs)
+        hidden = {i: out.hidden_states[i + 1] for i in layers}
+        cache = out.get("cache", out.get("past_key_values")) if use_cache else None
+        return TargetOutput(logits=out.logits, hidden_states=hidden, past_key_values=cache)
+
+    __call__ = forward
+
+    def train(self, mode: bool = True) -> FrozenTarget:
+        """Stay in eval mode whatever ``mode`` says: the target is frozen. No error, so code that
+        switches every model it holds between train and eval keeps working."""
+        self.model.eval()
+        return self
+
+    def eval(self) -> FrozenTarget:
+        self.model.eval()
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"FrozenTarget({self.name!r}, layers={self.num_layers}, hidden={self.hidden_size}, "
+            f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device})"
+        )
