@@ -59,9 +59,29 @@ def _fetch(args: argparse.Namespace) -> None:
 
 
 def _regenerate(args: argparse.Namespace) -> None:
-    from specdec.data.build import regenerate_from_recipe
+    from specdec.data.build import describe_report, regenerate_from_recipe
 
-    regenerate_from_recipe(args.config, args.set)
+    print(describe_report(regenerate_from_recipe(args.config, args.set)))
+
+
+def _train(args: argparse.Namespace) -> None:
+    from specdec.config import load_recipe
+    from specdec.training.loop import train
+
+    summary = train(load_recipe(args.config, args.overrides + args.set))
+    for row in summary["scores"]:
+        accept = " ".join(f"{a:.2f}" for a in row["accept"])
+        print(
+            f"{row['checkpoint']}  tau {row['tau']:.3f}  speedup {row['speedup']:.2f}x  "
+            f"greedy identity {row['greedy_match_rate']}  accept@i {accept}"
+        )
+    print(f"run directory: {summary['run_dir']} ({summary['steps']} steps)")
+    if summary.get("best"):
+        best = summary["best"]
+        print(
+            f"best checkpoint: {best['path']} (tau {best['tau']:.3f}, "
+            f"speedup {best['speedup']:.2f}x, greedy identity {best['greedy_match_rate']})"
+        )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -116,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", required=True, help="recipe YAML")
     r.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides")
     r.set_defaults(func=_regenerate)
+
+    t = sub.add_parser("train", help="distil a drafter from a recipe (under accelerate launch)")
+    t.add_argument("--config", required=True, help="recipe YAML")
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
+    t.set_defaults(func=_train)
 
     c = sub.add_parser("check", help="validate recipes")
     c.add_argument("recipes", nargs="+")

@@ -11,8 +11,10 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from datasets import Dataset
+
 from specdec.config import PromptSource, Recipe, load_recipe, save_recipe
-from specdec.data.chat import build_sft_dataset, prompt_messages
+from specdec.data.chat import SFTStats, build_sft_dataset, prompt_messages
 from specdec.data.prompts import load_prompt_rows, split_heldout
 from specdec.data.regenerate import RegenerateStats, load_regenerated, regenerate
 from specdec.errors import DataError
@@ -60,10 +62,11 @@ def training_prompts(recipe: Recipe) -> tuple[list[dict], int]:
     return kept, removed
 
 
-def build_data(recipe: Recipe, target) -> DataReport:
-    """Regenerate the answers of the recipe's training prompts with ``target``."""
+def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
+    """Regenerate the answers of the recipe's training prompts with ``target``, resuming what
+    is already on disk, and report what the training data holds."""
     rows, removed = training_prompts(recipe)
-    out = Path(recipe.data.dataset_dir or recipe.run_dir / "data")
+    out = dataset_dir(recipe)
     gen = recipe.data.regenerate
     if not gen.enabled:
         raise DataError("data.regenerate.enabled is false: there is nothing to regenerate")
@@ -84,17 +87,28 @@ def build_data(recipe: Recipe, target) -> DataReport:
         seed=gen.seed,
         shard_size=gen.shard_size,
         max_prompt_length=recipe.data.max_length,
+        progress=progress,
     )
-    dataset, sft = build_sft_dataset(
+    dataset, sft = load_training_data(recipe, target.tokenizer)
+    loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
+    return DataReport(str(out), len(rows), removed, asdict(stats), sft.as_dict(), loss_tokens)
+
+
+def dataset_dir(recipe: Recipe) -> Path:
+    return Path(recipe.data.dataset_dir or recipe.run_dir / "data")
+
+
+def load_training_data(recipe: Recipe, tokenizer) -> tuple[Dataset, SFTStats]:
+    """The regenerated conversations, tokenized with assistant-only loss masks."""
+    out = dataset_dir(recipe)
+    return build_sft_dataset(
         list(load_regenerated(out)),
-        target.tokenizer,
+        tokenizer,
         recipe.data.max_length,
         recipe.data.overflow,
         recipe.data.require_assistant,
         source=str(out),
     )
-    loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
-    return DataReport(str(out), len(rows), removed, asdict(stats), sft.as_dict(), loss_tokens)
 
 
 def regenerate_from_recipe(path: str, overrides: list[str]) -> DataReport:
@@ -105,16 +119,17 @@ def regenerate_from_recipe(path: str, overrides: list[str]) -> DataReport:
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
     save_recipe(recipe, recipe.run_dir / "recipe.yaml")
     target = FrozenTarget.from_config(recipe.target)
-    report = build_data(recipe, target)
+    return build_data(recipe, target)
+
+
+def describe_report(report: DataReport) -> str:
+    """Two lines for people: what was regenerated, how fast, and what training will see."""
     regen = report.regenerate
-    print(
+    return (
         f"prompts {report.num_prompts} (held-out removed: {report.num_heldout_removed}); "
         f"regenerated {regen['num_done']} now, {regen['num_skipped']} reused from disk; "
         f"{regen['new_tokens']} new tokens in {regen['seconds']:.1f} s "
-        f"({regen['tokens_per_second']:.1f} tokens/s); {regen['truncated']} hit max_new_tokens"
-    )
-    print(
+        f"({regen['tokens_per_second']:.1f} tokens/s); {regen['truncated']} hit max_new_tokens\n"
         f"training rows {report.sft['kept']} (truncated {report.sft['truncated']}, dropped "
         f"{report.sft['dropped']}), {report.loss_tokens} assistant tokens -> {report.dataset_dir}"
     )
-    return report

@@ -1,0 +1,158 @@
+"""The distillation loop on the tiny debug recipe: what changes, what stays frozen, DDP
+equivalence with gradient accumulation, and resuming a killed run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+from safetensors.torch import load_file
+
+from specdec.config import load_recipe
+from specdec.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "debug" / "tiny.yaml"
+QUESTIONS = [
+    "Tell me about the sea.", "Write a loop in Python.", "List three colors.",
+    "What is two plus two?", "Name a fruit.", "Say hi to my friend.", "Count to five.",
+    "Describe a cat.", "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target on disk plus training and held-out prompt files."""
+    root = tmp_path_factory.mktemp("train")
+    tiny_models.save_tiny(*tiny_models.tiny_llama(), root / "target")
+    (root / "train.jsonl").write_text("\n".join(json.dumps({"prompt": q}) for q in QUESTIONS))
+    (root / "eval.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": q + " Briefly."}) for q in QUESTIONS[:3])
+    )
+    return root
+
+
+def overrides(setup: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"target.model={setup / 'target'}",
+        f"run.output_dir={run_dir}",
+        f"data.prompts=[{setup / 'train.jsonl'}]",
+        f"eval.prompts=[{setup / 'eval.jsonl'}]",
+        "drafter.init_from_target=false",
+        *extra,
+    ]
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(m["step"], m["train/loss"]) for m in lines if "train/loss" in m]
+
+
+def launch(args: list[str], processes: int = 1, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if processes == 1:
+        cmd = [sys.executable, str(ROOT / "train" / "distill.py")]
+    else:
+        # accelerate's --cpu launcher starts one process without MPI; the torchrun launcher
+        # behind --multi_gpu starts N, and the trainer picks gloo when there is no CUDA
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+               "--num_processes", str(processes), "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(ROOT / "train" / "distill.py")]
+    return subprocess.Popen([*cmd, "--config", str(RECIPE), *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **kwargs)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path):
+    from specdec.training.loop import train
+
+    run_dir = tmp_path / "run"
+    recipe = load_recipe(RECIPE, overrides(setup, run_dir, "train.save_every=100"))
+    target_before = load_file(setup / "target" / "model.safetensors")
+    summary = train(recipe)
+    assert summary["steps"] == 4
+    state = load_file(run_dir / "state" / "model.safetensors")
+    ckpt = load_file(run_dir / "checkpoints" / "step-000004" / "model.safetensors")
+    # the untrained drafter is rebuilt from the same seed: every tensor must have moved
+    torch.manual_seed(recipe.run.seed)
+    from specdec.drafters.draft_model import build_draft_model
+    from specdec.target import FrozenTarget
+
+    target = FrozenTarget.from_config(recipe.target)
+    from specdec.data.build import load_training_data
+    from specdec.training.loop import _token_counts
+
+    dataset, _ = load_training_data(recipe, target.tokenizer)
+    fresh = build_draft_model(target, recipe.drafter, _token_counts(dataset, target.vocab_size))
+    for name, before in fresh.model.state_dict().items():
+        if name in ckpt:
+            assert not torch.equal(before, ckpt[name]), f"{name} did not change"
+            assert torch.equal(state[name], ckpt[name])
+    for name, tensor in target.model.state_dict().items():
+        if name in target_before:
+            assert torch.equal(tensor, target_before[name]), f"target {name} changed"
+    assert all(not p.requires_grad for p in target.model.parameters())
+    assert (run_dir / "best.json").exists() and (run_dir / "best").resolve().is_dir()
+    score = json.loads((run_dir / "checkpoints" / "step-000004" / "score.json").read_text())
+    assert score["greedy_match_rate"] == 1.0
+
+
+def test_ddp_two_processes_match_one_with_accumulation(setup, tmp_path):
+    one = launch(overrides(setup, tmp_path / "one", "train.grad_accum=2", "train.save_every=100"))
+    finish(one)
+    two = launch(overrides(setup, tmp_path / "two", "train.grad_accum=1", "train.save_every=100"),
+                 processes=2)
+    finish(two)
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        assert x == pytest.approx(y, rel=1e-4, abs=1e-6)
+
+
+def test_resume_after_sigkill_continues_identically(setup, tmp_path):
+    args = ["train.max_steps=12", "train.save_every=2"]
+    finish(launch(overrides(setup, tmp_path / "whole", *args)))
+    run_dir = tmp_path / "killed"
+    proc = launch(overrides(setup, run_dir, *args), start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run_dir / "checkpoints" / "step-000002").exists():
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert (run_dir / "state").is_dir()
+    assert losses(run_dir)[-1][0] < 12  # killed mid-run
+    out = finish(launch(overrides(setup, run_dir, *args)))
+    assert "resumed" in out
+    got, expected = losses(run_dir), losses(tmp_path / "whole")
+    assert [s for s, _ in got] == [s for s, _ in expected] == list(range(1, 13))
+    assert [x for _, x in got] == pytest.approx([x for _, x in expected], rel=1e-6)
+
+
+def test_resume_with_another_recipe_is_refused(setup, tmp_path):
+    from specdec.training.loop import train
+
+    run_dir = tmp_path / "run"
+    train(load_recipe(RECIPE, overrides(setup, run_dir, "train.max_steps=2")))
+    with pytest.raises(ConfigError, match="different recipe.*train.lr"):
+        train(load_recipe(RECIPE, overrides(setup, run_dir, "train.max_steps=4", "train.lr=0.1")))
+
+
+def test_empty_eval_prompts_are_refused(setup, tmp_path):
+    from specdec.training.loop import train
+
+    recipe = load_recipe(RECIPE, overrides(setup, tmp_path / "run", "eval.prompts=[]"))
+    with pytest.raises(ConfigError, match="eval.prompts"):
+        train(recipe)
