@@ -6,17 +6,44 @@ with the accepted sequence by prefix, and drafts k tokens autoregressively, retu
 distributions it sampled from. An optional reduced output vocabulary (``vocab_map``: draft
 output index -> target token id) makes its LM head cheap; its q is scattered back onto the
 target vocabulary, zero elsewhere, so rejection sampling stays exact.
+
+Training face: :func:`build_draft_model` makes a small model of the target's own architecture
+(optionally initialised from the target's embeddings, final norm, head and chosen layers);
+``train_logits`` gives its ``[B, T, D]`` logits and ``restrict`` cuts the target's logits to
+the same D tokens, so a loss compares like with like.
+
+Checkpoints: ``save`` writes a transformers directory (``save_pretrained``, safetensors), the
+target's tokenizer, ``vocab_map.safetensors`` when the vocabulary is reduced, and
+``drafter.json``. A full-vocabulary checkpoint is a plain transformers model (it works as
+``assistant_model`` in ``generate``). A reduced-vocabulary one is not: its head has D rows while
+``config.vocab_size`` is the input vocabulary, so it loads only through :meth:`from_checkpoint`
+and decodes only with specdec's decoder; its config says so in ``specdec_draft_vocab_size``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
 from specdec.decoding.session import ModelSession
 from specdec.drafters.base import Drafter, Proposal
+from specdec.errors import ConfigError, ModelError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "drafter.json"
+VOCAB_MAP_FILE = "vocab_map.safetensors"
+#: config attribute of a reduced-vocabulary draft model: the number of rows of its LM head
+REDUCED_VOCAB_ATTR = "specdec_draft_vocab_size"
 
 
 class DraftModelDrafter(Drafter):
@@ -27,17 +54,113 @@ class DraftModelDrafter(Drafter):
         target_vocab_size: size of the target's output distribution.
         vocab_map: ``[D]`` target ids of the draft's D output logits, or None when the draft
             predicts the full target vocabulary.
+        tokenizer: the target's tokenizer, saved beside the weights by :meth:`save`.
     """
 
     name = "draft_model"
 
-    def __init__(self, model, target_vocab_size: int, vocab_map: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model,
+        target_vocab_size: int,
+        vocab_map: torch.Tensor | None = None,
+        tokenizer=None,
+    ):
         self.model = model.eval()
         self.session = ModelSession(self.model)
         self.target_vocab_size = target_vocab_size
         self.vocab_map = None if vocab_map is None else vocab_map.to(self.session.device)
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_checkpoint(cls, path: str, target) -> DraftModelDrafter:
+        """Load a checkpoint written by :meth:`save` (full or reduced vocabulary).
+
+        Raises:
+            ModelError: not a draft_model checkpoint, or it does not fit the target.
+        """
+        meta = read_meta(path)
+        if meta.get("type") != cls.name:
+            raise ModelError(f"{path}: a '{meta.get('type')}' checkpoint, not '{cls.name}'")
+        if meta.get("target") and meta["target"] != target.name:
+            logger.warning(
+                "%s was trained for %s, loading for %s", path, meta["target"], target.name
+            )
+        if (Path(path) / VOCAB_MAP_FILE).is_file():
+            return _load_reduced(Path(path), target)
+        return load_draft_model(
+            str(path), target.tokenizer, target.vocab_size, device=target.device
+        )
+
+    # ------------------------------------------------------------------------ training face
+
+    def train_logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The draft's logits over its own output vocabulary.
+
+        Args:
+            input_ids: ``[B, T]`` target token ids.
+            attention_mask: ``[B, T]`` padding mask.
+
+        Returns:
+            ``[B, T, D]`` logits, row t predicting token t + 1 (D = V for the full vocabulary).
+        """
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).logits
+
+    def restrict(self, target_logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits ``[B, T, V]`` at the draft's output tokens: ``[B, T, D]``."""
+        if self.vocab_map is None:
+            return target_logits
+        return target_logits.index_select(-1, self.vocab_map.to(target_logits.device))
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
+        """Write a checkpoint directory atomically: it is complete or it does not exist.
+
+        Args:
+            path: the checkpoint directory; an existing one is replaced.
+            target_name: the target it was trained for (recorded in ``drafter.json``).
+            extra: more entries for ``drafter.json`` (step, metrics, ...).
+        """
+        from safetensors.torch import save_file
+
+        import specdec
+
+        if self.tokenizer is None:
+            raise ValueError("a draft model is saved with its target's tokenizer; none was given")
+        meta = {
+            "type": self.name,
+            "target": target_name,
+            "draft_vocab_size": None if self.vocab_map is None else len(self.vocab_map),
+            "num_layers": self.model.config.get_text_config().num_hidden_layers,
+            "specdec_version": specdec.__version__,
+        }
+        if clash := set(meta) & set(extra or {}):
+            raise ValueError(f"extra entries would overwrite {sorted(clash)}")
+        meta.update(extra or {})
+        with atomic_dir(path) as tmp:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            if self.vocab_map is not None:
+                save_file({"vocab_map": self.vocab_map.cpu().contiguous()}, tmp / VOCAB_MAP_FILE)
+            (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        return Path(path)
+
+    # ------------------------------------------------------------------------ decoding face
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
+        device = next(self.model.parameters()).device
+        if device != self.session.device:  # moved since (e.g. by the trainer): follow it
+            seconds = self.session.forward_seconds
+            self.session = ModelSession(self.model)
+            self.session.forward_seconds = seconds
+        if self.vocab_map is not None:
+            self.vocab_map = self.vocab_map.to(device)
         self.session.reset()
 
     def propose(
@@ -83,3 +206,293 @@ def _fit(logits: torch.Tensor, size: int) -> torch.Tensor:
     if logits.shape[-1] >= size:
         return logits[..., :size]
     return torch.nn.functional.pad(logits, (0, size - logits.shape[-1]), value=float("-inf"))
+
+
+# ---------------------------------------------------------------------------------- building
+
+
+def build_draft_model(target, cfg, token_counts: torch.Tensor | None = None) -> DraftModelDrafter:
+    """A fresh draft model of the target's architecture, ready to train.
+
+    Args:
+        target: the :class:`~specdec.target.FrozenTarget`.
+        cfg: the recipe's ``DrafterConfig`` (num_layers, size overrides, init_from_target,
+            init_layers, draft_vocab_size).
+        token_counts: ``[V]`` counts of each target token in the training answers; needed
+            when ``draft_vocab_size`` reduces the output vocabulary.
+
+    Returns:
+        A drafter in float32 on the target's device. Layers ``init_layers`` of the target
+        (``[]``: spread evenly, first to last) become its layers; with ``init_from_target``
+        their weights, the embeddings, the final norm and the head are copied.
+
+    Raises:
+        ConfigError: the recipe asks to copy weights whose shapes it changed.
+        ValueError: a reduced vocabulary without ``token_counts``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    layers = _chosen_layers(target, cfg)
+    config = _draft_config(target, cfg, layers)
+    vocab_map = None
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < target.vocab_size:
+        if token_counts is None:
+            raise ValueError("a reduced draft vocabulary needs token_counts from the training data")
+        vocab_map = select_vocab(token_counts, cfg.draft_vocab_size, _special_ids(target))
+        config.tie_word_embeddings = False
+        setattr(config, REDUCED_VOCAB_ATTR, len(vocab_map))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = type(target.model.generation_config).from_dict(
+        target.model.generation_config.to_dict()
+    )
+    if cfg.init_from_target:
+        _copy_from_target(model, target, layers, copy_layers=_layers_match(config, target, cfg))
+    if vocab_map is not None:
+        _reduce_head(model, vocab_map)
+    model.to(target.device)
+    return DraftModelDrafter(model, target.vocab_size, vocab_map, tokenizer=target.tokenizer)
+
+
+def _chosen_layers(target, cfg) -> list[int]:
+    n, total = cfg.num_layers, target.num_layers
+    if cfg.init_layers:
+        if len(cfg.init_layers) != n:
+            raise ConfigError(
+                f"drafter.init_layers: expected drafter.num_layers ({n}) entries, "
+                f"got {len(cfg.init_layers)}"
+            )
+        try:  # one at a time: a layer may be chosen twice
+            return [target.resolve_layers([i])[0] for i in cfg.init_layers]
+        except ModelError as err:
+            raise ConfigError(f"drafter.init_layers: {err}") from None
+    if n == 1:
+        return [0]
+    return [round(i * (total - 1) / (n - 1)) for i in range(n)]
+
+
+def _draft_config(target, cfg, layers: list[int]):
+    """A copy of the target's (text) config with the draft's depth, sizes and per-layer lists."""
+    text = target.config.get_text_config()
+    values = text.to_dict()
+    overrides = {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+    }
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = value
+    if cfg.init_from_target and values["hidden_size"] != text.hidden_size:
+        raise ConfigError(
+            f"drafter.hidden_size: {cfg.hidden_size} differs from the target's "
+            f"{text.hidden_size}, so its embeddings, norm and head cannot be copied; "
+            "set drafter.init_from_target: false or drop drafter.hidden_size"
+        )
+    # the head dimension follows hidden / heads unless the model fixes it on its own
+    head_dim = values.get("head_dim")
+    if head_dim is not None and head_dim == text.hidden_size // text.num_attention_heads:
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    for key, value in text.to_dict().items():
+        if "layer" in key and isinstance(value, list) and len(value) == text.num_hidden_layers:
+            values[key] = [value[i] for i in layers]  # layer_types, mlp_layer_types, ...
+    if isinstance(values.get("layer_types"), list) and "max_window_layers" in values:
+        full = [t == "full_attention" for t in values["layer_types"]] + [False]
+        values["max_window_layers"] = full.index(False)
+    values["num_hidden_layers"] = len(layers)
+    values.pop("_name_or_path", None)
+    return type(text).from_dict(values)
+
+
+def _layers_match(config, target, cfg) -> bool:
+    """Whether the draft's decoder layers have the target's shapes (only then are they copied)."""
+    text = target.config.get_text_config()
+    keys = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    if all(getattr(config, k, None) == getattr(text, k, None) for k in keys):
+        return True
+    if cfg.init_layers:
+        raise ConfigError(
+            "drafter.init_layers: the drafter's layer sizes (intermediate_size or heads) differ "
+            "from the target's, so its layers cannot be copied; drop drafter.init_layers"
+        )
+    logger.info(
+        "drafter layers differ in shape from the target's: only embeddings, norm and "
+        "head are copied"
+    )
+    return False
+
+
+@torch.no_grad()
+def _copy_from_target(model, target, layers: list[int], copy_layers: bool) -> None:
+    src, dst = target.model.get_decoder(), model.get_decoder()
+    if not all(hasattr(m, a) for m in (src, dst) for a in ("layers", "norm")):
+        raise ConfigError(
+            f"drafter.init_from_target: {type(src).__name__} has no `layers` and `norm` to copy "
+            "from; set drafter.init_from_target: false"
+        )
+    model.get_input_embeddings().load_state_dict(target.model.get_input_embeddings().state_dict())
+    dst.norm.load_state_dict(src.norm.state_dict())
+    head = model.get_output_embeddings()
+    head.load_state_dict(target.model.get_output_embeddings().state_dict())
+    if copy_layers:
+        for mine, theirs in zip(dst.layers, layers, strict=True):
+            mine.load_state_dict(src.layers[theirs].state_dict())
+
+
+def _special_ids(target) -> list[int]:
+    """Tokens a reduced vocabulary always keeps: special and added-special tokens, EOS ids."""
+    tok = target.tokenizer
+    ids = set(tok.all_special_ids)
+    ids |= {i for i, added in tok.added_tokens_decoder.items() if added.special}
+    eos = target.model.generation_config.eos_token_id
+    ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return sorted(i for i in ids if i < target.vocab_size)
+
+
+def select_vocab(token_counts: torch.Tensor, size: int, keep: Sequence[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent tokens, ``keep`` always among them.
+
+    Args:
+        token_counts: ``[V]`` counts per target token id.
+        size: D, the reduced vocabulary size.
+        keep: token ids included whatever their count.
+
+    Returns:
+        ``[D]`` target ids sorted by id (ties in count go to the lower id).
+    """
+    if len(keep) > size:
+        raise ConfigError(
+            f"drafter.draft_vocab_size: {size} is smaller than the {len(keep)} special tokens "
+            "that a drafter must be able to emit"
+        )
+    score = token_counts.detach().to("cpu", torch.float64).clone()
+    score[list(keep)] = float("inf")
+    order = torch.argsort(score, descending=True, stable=True)
+    return order[:size].sort().values
+
+
+@torch.no_grad()
+def _reduce_head(model, vocab_map: torch.Tensor) -> None:
+    """Replace the LM head by its rows at ``vocab_map`` (untied from the input embeddings)."""
+    head = model.get_output_embeddings()
+    reduced = torch.nn.Linear(head.in_features, len(vocab_map), bias=head.bias is not None)
+    reduced.to(head.weight.device, head.weight.dtype)
+    reduced.weight.copy_(head.weight[vocab_map])
+    if head.bias is not None:
+        reduced.bias.copy_(head.bias[vocab_map])
+    model.set_output_embeddings(reduced)
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The ``drafter.json`` of a checkpoint directory."""
+    meta = Path(path) / CHECKPOINT_FILE
+    if not meta.is_file():
+        raise ModelError(f"not a specdec checkpoint: {path} (no {CHECKPOINT_FILE} found)")
+    try:
+        return json.loads(meta.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelError(f"{meta}: unreadable ({err.msg}, line {err.lineno})") from None
+
+
+def _load_reduced(path: Path, target) -> DraftModelDrafter:
+    """A reduced-vocabulary checkpoint: the model is built from its config with a D-row head,
+    then its state dict is loaded (plain ``from_pretrained`` expects V rows)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _check_tokenizer(str(path), target.tokenizer)
+    config = AutoConfig.from_pretrained(path)
+    vocab_map = load_file(path / VOCAB_MAP_FILE)["vocab_map"]
+    size = getattr(config, REDUCED_VOCAB_ATTR, None)
+    if size != len(vocab_map) or int(vocab_map.max()) >= target.vocab_size:
+        raise ModelError(f"{path}: {VOCAB_MAP_FILE} does not fit its config or the target")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _reduce_head(model, torch.arange(size))
+    state = {}
+    for file in sorted(path.glob("model*.safetensors")):
+        state.update(load_file(file))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ModelError(f"{path}: weights do not fit the config: {err}") from None
+    model.to(target.device)
+    return DraftModelDrafter(model, target.vocab_size, vocab_map, tokenizer=target.tokenizer)
+
+
+def _check_tokenizer(path_or_id: str, target_tokenizer) -> None:
+    """The draft's saved tokenizer must be the target's (read with the target's tokenizer class:
+    ``AutoTokenizer`` may pick a model-specific class that adds tokens of its own)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = None
+    for loader in (type(target_tokenizer), AutoTokenizer):
+        try:
+            tokenizer = loader.from_pretrained(path_or_id)
+            break
+        except Exception:  # no usable tokenizer for this reader: try the next one
+            continue
+    if tokenizer is None:
+        return  # weights without a tokenizer: the embedding size is checked by the caller
+    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ModelError(
+            f"draft model {path_or_id} has a different vocabulary from the target "
+            f"({len(tokenizer)} vs {len(target_tokenizer)} tokens); a draft model must share "
+            "the target's tokenizer"
+        )
+
+
+def load_draft_model(
+    path_or_id: str, target_tokenizer, target_vocab_size: int, *, dtype=None, device=None
+) -> DraftModelDrafter:
+    """Load any causal LM that shares the target's tokenizer as a drafter.
+
+    Raises:
+        ModelError: the path does not exist, or the draft's vocabulary is not the target's.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    local = Path(path_or_id).expanduser()
+    looks_local = path_or_id.startswith((".", "/", "~")) or local.exists()
+    if looks_local and not local.is_dir():
+        raise ModelError(f"draft model not found: {path_or_id}")
+    _check_tokenizer(path_or_id, target_tokenizer)
+    try:
+        if getattr(AutoConfig.from_pretrained(path_or_id), REDUCED_VOCAB_ATTR, None):
+            raise ModelError(
+                f"{path_or_id} has a reduced output vocabulary: load it as a specdec checkpoint "
+                "(--checkpoint); it decodes only with specdec's decoder"
+            )
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype or torch.float32)
+    except (OSError, ValueError) as err:
+        raise ModelError(
+            f"cannot load draft model {path_or_id}: {str(err).splitlines()[0]}"
+        ) from None
+    if model.get_input_embeddings().num_embeddings < len(target_tokenizer):
+        raise ModelError(
+            f"draft model {path_or_id} embeds {model.get_input_embeddings().num_embeddings} "
+            f"tokens but the target's tokenizer has {len(target_tokenizer)}"
+        )
+    if device is not None:
+        model = model.to(device)
+    return DraftModelDrafter(model, target_vocab_size, tokenizer=target_tokenizer)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary directory beside ``path`` that replaces ``path`` in one rename when the
+    block succeeds, and disappears when it fails: ``path`` is never half written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        old = tmp.with_name(tmp.name + "-old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
