@@ -157,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    # accelerate announces every file of every saved state at INFO
+    logging.getLogger("accelerate").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         args.func(args)
     except SpecdecError as err:

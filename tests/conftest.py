@@ -12,6 +12,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import tiny_models  # noqa: E402
+import torch  # noqa: E402
 
 USER_SET_SPECDEC_CACHE = bool(os.environ.get("SPECDEC_CACHE"))
 
@@ -27,6 +28,20 @@ def specdec_cache(tmp_path_factory):
     os.environ["SPECDEC_CACHE"] = path
     yield path
     os.environ.pop("SPECDEC_CACHE", None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_for_tiny_models(request):
+    """Tiny models gain nothing from a second thread, and on a busy CPU OpenMP threads waiting
+    on each other make small ops milliseconds slower; the real-model ``slow`` tests keep
+    torch's default."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

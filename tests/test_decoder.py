@@ -48,8 +48,10 @@ def reference(model, prompt, max_new_tokens, eos):
 
 
 def drafters(model, vocab):
-    other, _ = tiny_models.tiny_llama(seed=7) if "Llama" in type(model).__name__ else (
-        tiny_models.tiny_qwen2(seed=7)
+    other, _ = (
+        tiny_models.tiny_llama(seed=7)
+        if "Llama" in type(model).__name__
+        else (tiny_models.tiny_qwen2(seed=7))
     )
     return {
         "perfect": DraftModelDrafter(model, vocab),
@@ -69,8 +71,9 @@ def test_greedy_identical_to_generate(tiny_model, k):
         for question in QUESTIONS:
             prompt = encode_prompt(tokenizer, [{"role": "user", "content": question}])
             expected = reference(model, prompt, 24, eos)
-            got = generate(session, prompt, drafter=drafter, k=k, max_new_tokens=24,
-                           eos_token_ids=eos)
+            got = generate(
+                session, prompt, drafter=drafter, k=k, max_new_tokens=24, eos_token_ids=eos
+            )
             assert got.tokens == expected, (name, question)
             if name == "perfect":
                 full = [a for a, d in zip(got.accepted, got.drafted, strict=True) if d == k]
@@ -81,8 +84,13 @@ def test_perfect_draft_tau_is_k_plus_one(tiny_llama):
     model, tokenizer = tiny_llama
     prompt = encode_prompt(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
     k, rounds = 4, 5
-    got = generate(ModelSession(model), prompt, drafter=DraftModelDrafter(model, model.config.vocab_size),
-                   k=k, max_new_tokens=1 + rounds * (k + 1))
+    got = generate(
+        ModelSession(model),
+        prompt,
+        drafter=DraftModelDrafter(model, model.config.vocab_size),
+        k=k,
+        max_new_tokens=1 + rounds * (k + 1),
+    )
     assert len(got.tokens) == 1 + rounds * (k + 1)
     assert got.drafted == [k] * rounds and got.accepted == [k] * rounds
 
@@ -92,11 +100,17 @@ def test_many_prompts_in_one_session_equal_one_at_a_time(tiny_qwen2):
     vocab = model.config.vocab_size
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS * 2]
     shared_session, shared = ModelSession(model), DraftModelDrafter(truncated(model, 1), vocab)
-    together = [generate(shared_session, p, drafter=shared, k=3, max_new_tokens=20).tokens
-                for p in prompts]
+    together = [
+        generate(shared_session, p, drafter=shared, k=3, max_new_tokens=20).tokens for p in prompts
+    ]
     alone = [
-        generate(ModelSession(model), p, drafter=DraftModelDrafter(truncated(model, 1), vocab),
-                 k=3, max_new_tokens=20).tokens
+        generate(
+            ModelSession(model),
+            p,
+            drafter=DraftModelDrafter(truncated(model, 1), vocab),
+            k=3,
+            max_new_tokens=20,
+        ).tokens
         for p in prompts
     ]
     assert together == alone
@@ -108,8 +122,14 @@ def test_eos_inside_a_draft_stops_exactly(tiny_llama):
     free = reference(model, prompt, 30, [])
     stop = free[7]  # make a token the model emits mid-sequence the end of sequence
     expected = free[: free.index(stop) + 1]
-    got = generate(ModelSession(model), prompt, drafter=DraftModelDrafter(model, 384), k=5,
-                   max_new_tokens=30, eos_token_ids=[stop])
+    got = generate(
+        ModelSession(model),
+        prompt,
+        drafter=DraftModelDrafter(model, 384),
+        k=5,
+        max_new_tokens=30,
+        eos_token_ids=[stop],
+    )
     assert got.tokens == expected and got.finished
 
 
@@ -117,8 +137,13 @@ def test_eos_inside_a_draft_stops_exactly(tiny_llama):
 def test_max_new_tokens_inside_a_draft(tiny_llama, max_new_tokens):
     model, tokenizer = tiny_llama
     prompt = encode_prompt(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
-    got = generate(ModelSession(model), prompt, drafter=DraftModelDrafter(model, 384), k=5,
-                   max_new_tokens=max_new_tokens)
+    got = generate(
+        ModelSession(model),
+        prompt,
+        drafter=DraftModelDrafter(model, 384),
+        k=5,
+        max_new_tokens=max_new_tokens,
+    )
     assert got.tokens == reference(model, prompt, max_new_tokens, [])
     assert sum(got.drafted) + 1 <= max_new_tokens  # no draft beyond the budget
 
@@ -139,8 +164,15 @@ def test_sampling_is_reproducible_with_a_seed(tiny_llama):
 
     def run(seed):
         gen = torch.Generator().manual_seed(seed)
-        return generate(ModelSession(model), prompt, drafter=drafter, k=3, max_new_tokens=16,
-                        params=params, generator=gen).tokens
+        return generate(
+            ModelSession(model),
+            prompt,
+            drafter=drafter,
+            k=3,
+            max_new_tokens=16,
+            params=params,
+            generator=gen,
+        ).tokens
 
     assert run(3) == run(3)
 

@@ -26,15 +26,6 @@ from specdec.target import FrozenTarget
 D = 64  # reduced vocabulary size used below
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; several spin and wait on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def target(tiny_model):
     return FrozenTarget(*tiny_model, name="tiny")

@@ -10,17 +10,6 @@ from specdec.data import regenerate as regen
 from specdec.data.regenerate import load_regenerated, regenerate
 from specdec.errors import DataError
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from more threads, and on a busy CPU OpenMP threads waiting on
-    each other make these tests many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "drafts"]
 
 

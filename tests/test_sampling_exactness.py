@@ -39,16 +39,6 @@ L_P = random_table(VOCAB, seed=1)
 L_Q = nearby_table(L_P, seed=2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tensors here are a few rows of 16; on a busy machine waking a second intra-op thread for
-    each of them costs milliseconds, so the decoding loop runs single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def lump_sparse(observed: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Merge the cells of one row whose expected count is under MIN_EXPECTED into one cell.
 

@@ -20,9 +20,15 @@ from specdec.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug" / "tiny.yaml"
 QUESTIONS = [
-    "Tell me about the sea.", "Write a loop in Python.", "List three colors.",
-    "What is two plus two?", "Name a fruit.", "Say hi to my friend.", "Count to five.",
-    "Describe a cat.", "Why is the sky blue?",
+    "Tell me about the sea.",
+    "Write a loop in Python.",
+    "List three colors.",
+    "What is two plus two?",
+    "Name a fruit.",
+    "Say hi to my friend.",
+    "Count to five.",
+    "Describe a cat.",
+    "Why is the sky blue?",
 ]
 
 
@@ -61,13 +67,30 @@ def launch(args: list[str], processes: int = 1, **kwargs) -> subprocess.Popen:
     else:
         # accelerate's --cpu launcher starts one process without MPI; the torchrun launcher
         # behind --multi_gpu starts N, and the trainer picks gloo when there is no CUDA
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-               "--num_processes", str(processes), "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(ROOT / "train" / "distill.py")]
-    return subprocess.Popen([*cmd, "--config", str(RECIPE), *args], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **kwargs)
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(ROOT / "train" / "distill.py"),
+        ]
+    return subprocess.Popen(
+        [*cmd, "--config", str(RECIPE), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -113,8 +136,10 @@ def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path):
 def test_ddp_two_processes_match_one_with_accumulation(setup, tmp_path):
     one = launch(overrides(setup, tmp_path / "one", "train.grad_accum=2", "train.save_every=100"))
     finish(one)
-    two = launch(overrides(setup, tmp_path / "two", "train.grad_accum=1", "train.save_every=100"),
-                 processes=2)
+    two = launch(
+        overrides(setup, tmp_path / "two", "train.grad_accum=1", "train.save_every=100"),
+        processes=2,
+    )
     finish(two)
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]

@@ -1,0 +1,59 @@
+"""Greedy exactness of the decoder on the real SmolLM2-135M target (fetched once, cached)."""
+
+import pytest
+import torch
+from test_decoder import reference, truncated
+
+from specdec.decoding.session import ModelSession
+from specdec.decoding.speculative import generate
+from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdec.scoring.run import encode_prompt, eos_ids
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What are three tips for staying focused while studying?",
+    "Write a Python function that returns the squares of a list of numbers.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from specdec.target import FrozenTarget
+
+    return FrozenTarget.load("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def cases(smollm2):
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    eos = eos_ids(model, tokenizer)
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    return [(p, reference(model, p, 24, eos)) for p in prompts], eos
+
+
+def useless(model):
+    torch.manual_seed(0)
+    small = truncated(model, 1)
+    small.apply(small._init_weights)  # same shapes, random weights
+    return small
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["perfect", "useless", "in_between", "prompt_lookup"])
+def test_greedy_identical_on_smollm2(smollm2, cases, kind, k):
+    model = smollm2.model
+    vocab = model.config.vocab_size
+    drafter = {
+        "perfect": lambda: DraftModelDrafter(model, vocab),
+        "useless": lambda: DraftModelDrafter(useless(model), vocab),
+        "in_between": lambda: DraftModelDrafter(truncated(model, 4), vocab),
+        "prompt_lookup": PromptLookupDrafter,
+    }[kind]()
+    examples, eos = cases
+    session = ModelSession(model)
+    for prompt, expected in examples:
+        got = generate(session, prompt, drafter=drafter, k=k, max_new_tokens=24, eos_token_ids=eos)
+        assert got.tokens == expected
+        if kind == "perfect":
+            assert all(a == d for a, d in zip(got.accepted, got.drafted, strict=True))
