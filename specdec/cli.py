@@ -41,6 +41,7 @@ def _score(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         seed=args.seed,
         warmup_prompts=args.warmup,
+        shape_verify=not args.exact_verify_length,
     )
     result = run_scoring(job, settings)
     print(table(result))
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--max-ngram", type=int, default=3, help="prompt lookup's longest n-gram")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--exact-verify-length", action="store_true",
+                   help="verify exactly the drafted tokens instead of padding short drafts to "
+                   "the cheapest verify length of the measured cost profile")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")
     s.add_argument("--out", help="score.json path (default: beside the checkpoint, or ./)")

@@ -12,7 +12,7 @@ import torch
 
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
-from specdec.decoding.speculative import generate
+from specdec.decoding.speculative import cheapest_verify_lengths, generate
 from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdec.scoring.run import encode_prompt, eos_ids
 
@@ -188,3 +188,34 @@ def test_prompt_lookup_copies_the_latest_match():
     seq = [5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6]
     assert drafter.propose(seq, 3, SamplingParams()).tokens.tolist() == [9, 2, 5]
     assert drafter.propose([1, 2, 3], 3, SamplingParams()).tokens.tolist() == []
+
+
+def test_cheapest_verify_lengths_follow_the_profile():
+    # a CPU-like profile: 2 and 3 tokens cost more than 5
+    profile = {1: 1.0, 2: 1.6, 3: 2.0, 4: 1.5, 5: 1.3}
+    assert cheapest_verify_lengths(profile, 4) == [1, 5, 5, 5, 5]
+    assert cheapest_verify_lengths({m: float(m) for m in range(1, 6)}, 4) == [1, 2, 3, 4, 5]
+
+
+class ShortDrafter(DraftModelDrafter):
+    """Proposes at most two tokens: what the decoder pads up to the verify length."""
+
+    def propose(self, sequence, k, params, generator=None):
+        return super().propose(sequence, min(k, 2), params, generator)
+
+
+def test_padded_verification_stays_greedy_exact(tiny_llama):
+    model, tokenizer = tiny_llama
+    drafter = ShortDrafter(truncated(model, 1), model.config.vocab_size)
+    for question in QUESTIONS:
+        prompt = encode_prompt(tokenizer, [{"role": "user", "content": question}])
+        got = generate(
+            ModelSession(model),
+            prompt,
+            drafter=drafter,
+            k=4,
+            max_new_tokens=30,
+            verify_lengths=[1, 5, 5, 5, 5],
+        )
+        assert got.tokens == reference(model, prompt, 30, [])
+        assert set(got.drafted) <= {0, 1, 2}

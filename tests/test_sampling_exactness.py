@@ -87,7 +87,7 @@ def transition_test(sequence: list[int], params: SamplingParams) -> dict:
     }
 
 
-def decode(drafter, params: SamplingParams, k: int, seed: int = 0):
+def decode(drafter, params: SamplingParams, k: int, seed: int = 0, verify_lengths=None):
     """One sequence of TOKENS new tokens after the one-token prompt [0]."""
     target = MarkovTarget(L_P)
     generator = torch.Generator().manual_seed(seed)
@@ -99,6 +99,7 @@ def decode(drafter, params: SamplingParams, k: int, seed: int = 0):
         max_new_tokens=TOKENS,
         params=params,
         generator=generator,
+        verify_lengths=verify_lengths,
     )
     sequence = [0] + out.tokens
     assert len(out.tokens) == TOKENS
@@ -122,13 +123,23 @@ CONFIGS = {
     "one_hot_q": (lambda: GreedyMarkovDrafter(L_Q, stop=(3, 11)), PLAIN, 4),
     "disjoint": (lambda: MarkovDrafter(disjoint_table(L_P, seed=3)), PLAIN, 3),
     "p_equals_q": (lambda: MarkovDrafter(L_P), PLAIN, 4),
+    # short drafts padded with deterministic guesses up to a cost-profile verify length
+    "padded_one_hot": (lambda: GreedyMarkovDrafter(L_Q, stop=(3, 11)), PLAIN, 4, [1, 5, 5, 5, 5]),
+    "padded_sampled": (lambda: ShortMarkovDrafter(L_Q), PLAIN, 4, [1, 5, 5, 5, 5]),
 }
+
+
+class ShortMarkovDrafter(MarkovDrafter):
+    """Samples at most two tokens, leaving the rest of the verify length to padding."""
+
+    def propose(self, sequence, k, params, generator=None):
+        return super().propose(sequence, min(k, 2), params, generator)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_emitted_tokens_follow_target(name):
-    make_drafter, params, k = CONFIGS[name]
-    out, sequence = decode(make_drafter(), params, k)
+    make_drafter, params, k, *lengths = CONFIGS[name]
+    out, sequence = decode(make_drafter(), params, k, verify_lengths=(lengths or [None])[0])
     result = transition_test(sequence, params)
     assert result["outside"] == 0, f"{name}: tokens emitted where p = 0: {result}"
     assert result["pvalue"] > PASS_LEVEL, f"{name}: emitted law differs from p: {result}"

@@ -69,6 +69,7 @@ def generate(
     params: SamplingParams = SamplingParams(),
     eos_token_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
+    verify_lengths: Sequence[int] | None = None,
 ) -> Generation:
     """Decode one continuation of ``prompt`` with speculative decoding (plain without drafter).
 
@@ -81,6 +82,9 @@ def generate(
         params: greedy when temperature is 0, else lossless speculative sampling.
         eos_token_ids: tokens that end the sequence (emitted, then decoding stops).
         generator: randomness for sampling and the acceptance test.
+        verify_lengths: ``verify_lengths[n]`` is how many tokens to verify when n were drafted
+            (from a measured cost profile, see :func:`cheapest_verify_lengths`); the draft is
+            padded with deterministic guesses up to it. None verifies exactly n + 1.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -107,6 +111,9 @@ def generate(
             draft, q = proposal.tokens.to(target.device), proposal.probs
         else:
             draft, q = torch.empty(0, dtype=torch.long, device=target.device), None
+        own = len(draft)
+        if verify_lengths is not None and own and budget > own:
+            draft, q = _pad(draft, q, min(verify_lengths[own], budget + 1) - 1 - own)
         t1 = clock()
         logits = target.extend(torch.cat([torch.tensor(sequence[-1:], device=draft.device), draft]))
         if params.greedy:
@@ -120,8 +127,8 @@ def generate(
         new = _stop_at_eos(new, eos)[: max_new_tokens - len(out.tokens)]
         out.tokens += new
         sequence += new
-        out.drafted.append(len(draft))
-        out.accepted.append(n)
+        out.drafted.append(own)  # padding counts in tau when accepted, not in acceptance rates
+        out.accepted.append(min(n, own))
         out.draft_seconds.append(t1 - t0)
         out.verify_seconds.append(t2 - t1)
         out.round_seconds.append(clock() - t0)
@@ -130,6 +137,23 @@ def generate(
     out.target_forward_seconds = target.forward_seconds - target_start
     out.draft_forward_seconds = (drafter.draft_seconds - draft_start) if drafter else 0.0
     return out
+
+
+def cheapest_verify_lengths(profile: dict[int, float], k: int) -> list[int]:
+    """For each draft length n in 0..k, the verify length m in [n + 1, k + 1] with the lowest
+    measured cost. On a CPU a 5-token forward can cost less than a 3-token one (GEMM shapes),
+    so verifying a padded draft is then both cheaper and a chance at more tokens."""
+    return [min(range(n + 1, k + 2), key=lambda m: (profile[m], m)) for n in range(k + 1)]
+
+
+def _pad(draft: torch.Tensor, q: torch.Tensor | None, extra: int):
+    """Extend a draft by repeating its last token (a deterministic guess: one-hot q)."""
+    if extra <= 0:
+        return draft, q
+    filler = draft[-1:].expand(extra)
+    if q is not None:
+        q = torch.cat([q, torch.nn.functional.one_hot(filler, q.shape[-1]).to(q.dtype)])
+    return torch.cat([draft, filler]), q
 
 
 def _stop_at_eos(tokens: list[int], eos: set[int]) -> list[int]:

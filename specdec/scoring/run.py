@@ -19,7 +19,7 @@ import torch
 
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
-from specdec.decoding.speculative import Generation, generate
+from specdec.decoding.speculative import Generation, cheapest_verify_lengths, generate
 from specdec.drafters.base import Drafter
 from specdec.errors import ConfigError
 from specdec.scoring import metrics
@@ -38,6 +38,8 @@ class ScoreSettings:
     top_p: float = 1.0
     seed: int = 0
     warmup_prompts: int = 1
+    #: pad short drafts up to the cheapest verify length of the measured cost profile
+    shape_verify: bool = True
 
     def check(self) -> None:
         if self.k < 1:
@@ -117,6 +119,9 @@ def score(
     warm = min(settings.warmup_prompts, max(len(encoded) - 1, 0))
     device = target.device
 
+    profile = cost_profile(model, encoded[0], settings.k + 1)
+    lengths = cheapest_verify_lengths(profile, settings.k) if settings.shape_verify else None
+
     def run(ids: list[int], with_drafter: bool, index: int) -> Generation:
         gen = torch.Generator(device=device).manual_seed(settings.seed + index)
         return generate(
@@ -128,6 +133,7 @@ def score(
             params=params,
             eos_token_ids=eos,
             generator=gen,
+            verify_lengths=lengths if with_drafter else None,
         )
 
     method, baseline = [], []
@@ -147,8 +153,8 @@ def score(
         )
     kept = list(prompts)[warm:]
     result = summarize(method, baseline, settings)
-    result["cost_profile_seconds"] = cost_profile(model, encoded[0], settings.k + 1)
-    profile = result["cost_profile_seconds"]
+    result["cost_profile_seconds"] = profile
+    result["verify_lengths"] = lengths
     result["cost_profile_ratio"] = {m: t / profile[1] for m, t in profile.items()}
     result.update(_divergence_margins(model, encoded[warm:], baseline, result["divergences"]))
     result["per_category"] = _per_category(kept, method, baseline, settings)
