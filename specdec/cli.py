@@ -54,7 +54,7 @@ def _fetch(args: argparse.Namespace) -> None:
 
     target = FrozenTarget.load(args.target, cache_dir=args.cache_dir)
     print(f"target {target.name}: {target.num_layers} layers, vocab {target.vocab_size}")
-    for name in args.prompts.split(","):
+    for name in filter(None, args.prompts.split(",")):
         rows = load_prompt_rows(name, cache=args.cache_dir)
         print(f"prompts {name}: {len(rows)} rows")
 

