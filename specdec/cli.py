@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from specdec.errors import SpecdecError
 
@@ -85,6 +86,19 @@ def _train(args: argparse.Namespace) -> None:
         )
 
 
+def _export(args: argparse.Namespace) -> None:
+    from specdec.drafters.draft_model import read_meta
+    from specdec.export import export
+    from specdec.target import FrozenTarget
+
+    meta = read_meta(args.checkpoint)
+    target = FrozenTarget.load(
+        args.target or meta.get("target") or "smollm2-135m-instruct", cache_dir=args.cache_dir
+    )
+    out = args.out or str(Path(args.checkpoint).resolve().parent.parent / "export" / args.format)
+    print(f"exported and verified: {export(args.format, args.checkpoint, out, target)}")
+
+
 def _check(args: argparse.Namespace) -> None:
     from specdec.config import load_recipe
 
@@ -118,9 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--max-ngram", type=int, default=3, help="prompt lookup's longest n-gram")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--exact-verify-length", action="store_true",
-                   help="verify exactly the drafted tokens instead of padding short drafts to "
-                   "the cheapest verify length of the measured cost profile")
+    s.add_argument(
+        "--exact-verify-length",
+        action="store_true",
+        help="verify exactly the drafted tokens instead of padding short drafts to "
+        "the cheapest verify length of the measured cost profile",
+    )
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")
     s.add_argument("--out", help="score.json path (default: beside the checkpoint, or ./)")
@@ -146,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
     t.set_defaults(func=_train)
+
+    e = sub.add_parser("export", help="export a checkpoint for a serving engine or transformers")
+    e.add_argument("--checkpoint", required=True, help="a drafter checkpoint directory")
+    e.add_argument("--format", default="hf", help="hf (more formats arrive with their drafters)")
+    e.add_argument("--out", help="export directory (default: <run dir>/export/<format>)")
+    e.add_argument("--target", help="target model (default: the checkpoint's)")
+    e.add_argument("--cache-dir")
+    e.set_defaults(func=_export)
 
     c = sub.add_parser("check", help="validate recipes")
     c.add_argument("recipes", nargs="+")

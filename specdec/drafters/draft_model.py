@@ -25,10 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,6 +34,7 @@ from specdec.decoding.sampling import SamplingParams, probabilities, sample
 from specdec.decoding.session import ModelSession
 from specdec.drafters.base import Drafter, Proposal
 from specdec.errors import ConfigError, ModelError
+from specdec.files import atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -478,21 +476,3 @@ def load_draft_model(
     if device is not None:
         model = model.to(device)
     return DraftModelDrafter(model, target_vocab_size, tokenizer=target_tokenizer)
-
-
-@contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """A temporary directory beside ``path`` that replaces ``path`` in one rename when the
-    block succeeds, and disappears when it fails: ``path`` is never half written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-        old = tmp.with_name(tmp.name + "-old")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

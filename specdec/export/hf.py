@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 import specdec
-from specdec.drafters.draft_model import DraftModelDrafter, atomic_dir, read_meta
+from specdec.drafters.draft_model import DraftModelDrafter, read_meta
 from specdec.errors import ModelError
+from specdec.files import atomic_dir
 
 #: fp32 tolerance of the reloaded model's logits
 ATOL, RTOL = 1e-5, 1e-4

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.drafters import DraftModelDrafter, PromptLookupDrafter, drafter_class
 from specdec.drafters.base import Drafter
-from specdec.drafters.draft_model import load_draft_model
-from specdec.errors import ConfigError, DataError, ModelError
+from specdec.drafters.draft_model import load_draft_model, read_meta
+from specdec.errors import ConfigError, DataError
+from specdec.files import write_json
 from specdec.scoring import report
 from specdec.scoring.run import ScoreSettings, score
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = ("mtbench", "humaneval")
-CHECKPOINT_FILE = "drafter.json"
 
 
 @dataclass
@@ -36,22 +35,11 @@ class ScoreJob:
     max_ngram: int = 3
 
 
-def read_checkpoint(path: str) -> dict:
-    """The drafter description saved beside a checkpoint's weights."""
-    meta = Path(path) / CHECKPOINT_FILE
-    if not Path(path).is_dir() or not meta.is_file():
-        raise ModelError(f"not a specdec checkpoint: {path} (no {CHECKPOINT_FILE} found)")
-    try:
-        return json.loads(meta.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelError(f"{meta}: unreadable ({err.msg}, line {err.lineno})") from None
-
-
 def build_drafter(job: ScoreJob, target) -> Drafter:
     """The drafter a job names, checked against the target."""
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if job.checkpoint:
-        meta = read_checkpoint(job.checkpoint)
+        meta = read_meta(job.checkpoint)
         cls = drafter_class(meta.get("type", "?"))
         return cls.from_checkpoint(job.checkpoint, target)
     if job.draft_model:
@@ -95,7 +83,7 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
         drafter_class(job.drafter)  # an unknown name fails before any model is loaded
     target_spec = job.target
     if target_spec is None and job.checkpoint:
-        target_spec = read_checkpoint(job.checkpoint).get("target")
+        target_spec = read_meta(job.checkpoint).get("target")
     target = FrozenTarget.load(
         target_spec or "smollm2-135m-instruct", dtype=job.dtype, cache_dir=job.cache_dir
     )
@@ -106,7 +94,7 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     result["target"] = target.name
     result["prompts"] = list(job.prompts)
     out = Path(job.out or (Path(job.checkpoint) / "score.json" if job.checkpoint else "score.json"))
-    report.write_json(result, out)
+    write_json(out, result)
     result["plot"] = str(report.plot(result, out.with_suffix(".png")))
     result["json"] = str(out)
     return result

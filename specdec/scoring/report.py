@@ -1,21 +1,8 @@
-"""score.json, a readable table and a plot of acceptance by position and accepted lengths."""
+"""A readable table and a plot (acceptance by position, accepted lengths) of a score."""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
-
-
-def write_json(result: dict, path: str | Path) -> Path:
-    """Write ``result`` atomically (temp file then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(result, f, indent=2, default=str)
-    os.replace(f.name, path)
-    return path
 
 
 def table(result: dict) -> str:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdec.config import Recipe, recipe_to_dict
 from specdec.errors import ConfigError
+from specdec.files import write_json
 
 # keys that may change between a run and its resumption without making it another run
 RESUMABLE_CHANGES = ("train.max_steps", "train.trackers", "train.log_every", "eval.")
@@ -68,22 +68,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a fully written directory into place, replacing an older one."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
 
 
 def update_best(run_dir: Path, checkpoint: Path, score: dict) -> bool:

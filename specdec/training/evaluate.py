@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from specdec.config import Recipe
+from specdec.files import write_json
 from specdec.scoring import report
 from specdec.scoring.command import load_prompts
 from specdec.scoring.run import ScoreSettings, score
@@ -40,7 +41,7 @@ def score_checkpoint(model, drafter, target, recipe: Recipe, step: int) -> dict:
     result["target"] = target.name
     result["checkpoint"] = str(path)
     result["score_seconds"] = time.perf_counter() - t0
-    report.write_json(result, Path(path) / "score.json")
+    write_json(Path(path) / "score.json", result)
     report.plot(result, Path(path) / "score.png")
     best = update_best(run_dir, Path(path), result)
     logger.info(

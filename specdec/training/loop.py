@@ -28,8 +28,9 @@ from transformers import get_scheduler
 
 from specdec.config import Recipe, save_recipe
 from specdec.errors import ConfigError
+from specdec.files import replace_dir
 from specdec.losses import distill_loss, expected_acceptance, top1_agreement
-from specdec.training.checkpoint import TrainState, check_same_recipe, replace_dir
+from specdec.training.checkpoint import TrainState, check_same_recipe
 from specdec.training.evaluate import score_checkpoint
 from specdec.training.trackers import MetricsLog
 

@@ -28,7 +28,11 @@ class MetricsLog:
             path.write_text("".join(line + "\n" for line in kept))
         self.file = open(path, "a")  # noqa: SIM115 - kept open for the run
         if accelerator.trackers is not None and recipe.train.trackers:
-            accelerator.init_trackers(recipe.train.wandb_project, config=_flat(recipe))
+            accelerator.init_trackers(
+                recipe.train.wandb_project,
+                config=_flat(recipe),
+                init_kwargs={"wandb": {"dir": str(path.parent), "name": recipe.run.name}},
+            )
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.active:
