@@ -181,3 +181,35 @@ def test_empty_eval_prompts_are_refused(setup, tmp_path):
     recipe = load_recipe(RECIPE, overrides(setup, tmp_path / "run", "eval.prompts=[]"))
     with pytest.raises(ConfigError, match="eval.prompts"):
         train(recipe)
+
+
+def test_tensorboard_tracker_writes_into_the_run(setup, tmp_path):
+    from specdec.training.loop import train
+
+    run_dir = tmp_path / "run"
+    train(
+        load_recipe(
+            RECIPE, overrides(setup, run_dir, "train.max_steps=2", "train.trackers=[tensorboard]")
+        )
+    )
+    assert list(run_dir.rglob("events.out.tfevents.*"))
+    assert losses(run_dir)  # the jsonl log is written as well
+
+
+def test_drafter_with_another_vocabulary_is_refused(setup, tmp_path):
+    from specdec.drafters.draft_model import build_draft_model
+    from specdec.errors import ModelError
+    from specdec.target import FrozenTarget
+    from specdec.training.loop import train
+
+    other = FrozenTarget(*tiny_models.tiny_qwen2())
+    recipe = load_recipe(RECIPE, overrides(setup, tmp_path / "run"))
+    drafter = build_draft_model(other, recipe.drafter)
+    drafter.tokenizer = other.tokenizer
+    drafter.save(tmp_path / "qwen-drafter", target_name="tiny-qwen2")
+    recipe = load_recipe(
+        RECIPE,
+        overrides(setup, tmp_path / "run", f"drafter.from_pretrained={tmp_path}/qwen-drafter"),
+    )
+    with pytest.raises(ModelError, match="vocabulary"):
+        train(recipe)
