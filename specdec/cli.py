@@ -16,37 +16,68 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 
+#: the scoring flags' values when neither the command line nor a recipe gives them
+SCORE_DEFAULTS = {
+    "target": None, "prompts": "mtbench,humaneval", "num_prompts": 8, "warmup": 1, "k": 4,
+    "temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 128, "max_ngram": 3,
+    "seed": 0, "dtype": "float32", "cache_dir": None,
+}  # fmt: skip
+
 
 def _score(args: argparse.Namespace) -> None:
     from specdec.scoring.command import ScoreJob, run_scoring
     from specdec.scoring.report import table
     from specdec.scoring.run import ScoreSettings
 
+    base = dict(SCORE_DEFAULTS)
+    drafter = args.drafter
+    if args.config:
+        recipe_values, recipe_drafter = _recipe_score_values(args.config, args.set)
+        base.update(recipe_values)
+        if not (args.checkpoint or args.drafter or args.draft_model):
+            drafter = recipe_drafter
+    v = {key: base[key] if getattr(args, key) is None else getattr(args, key) for key in base}
     job = ScoreJob(
         checkpoint=args.checkpoint,
-        drafter=args.drafter,
+        drafter=drafter,
         draft_model=args.draft_model,
-        target=args.target,
-        prompts=tuple(p for p in args.prompts.split(",") if p),
-        num_prompts=args.num_prompts,
+        target=v["target"],
+        prompts=tuple(p for p in v["prompts"].split(",") if p),
+        num_prompts=v["num_prompts"],
         out=args.out,
-        cache_dir=args.cache_dir,
-        dtype=args.dtype,
-        max_ngram=args.max_ngram,
+        cache_dir=v["cache_dir"],
+        dtype=v["dtype"],
+        max_ngram=v["max_ngram"],
     )
     settings = ScoreSettings(
-        k=args.k,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        warmup_prompts=args.warmup,
+        k=v["k"],
+        max_new_tokens=v["max_new_tokens"],
+        temperature=v["temperature"],
+        top_k=v["top_k"],
+        top_p=v["top_p"],
+        seed=v["seed"],
+        warmup_prompts=v["warmup"],
         shape_verify=not args.exact_verify_length,
     )
     result = run_scoring(job, settings)
     print(table(result))
     print(f"wrote {result['json']} and {result['plot']}")
+
+
+def _recipe_score_values(path: str, overrides: list[str]) -> tuple[dict, str]:
+    """A recipe's target, eval settings and drafter type, as scoring flag values."""
+    from specdec.config import load_recipe
+
+    recipe = load_recipe(path, overrides)
+    ev = recipe.eval
+    values = {
+        "target": recipe.target.model, "prompts": ",".join(p.source for p in ev.prompts),
+        "num_prompts": ev.num_prompts, "warmup": ev.warmup_prompts, "k": ev.k,
+        "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p,
+        "max_new_tokens": ev.max_new_tokens, "seed": ev.seed, "dtype": recipe.target.dtype,
+        "cache_dir": recipe.target.cache_dir, "max_ngram": recipe.drafter.max_ngram,
+    }  # fmt: skip
+    return values, recipe.drafter.type
 
 
 def _fetch(args: argparse.Namespace) -> None:
@@ -113,32 +144,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("score", help="measure a drafter with the speculative decoder")
-    who = s.add_mutually_exclusive_group(required=True)
+    s.add_argument(
+        "--config",
+        help="take target, drafter type and eval settings from a recipe "
+        "(flags given explicitly win)",
+    )
+    s.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides")
+    who = s.add_mutually_exclusive_group()
     who.add_argument("--checkpoint", help="a trained drafter checkpoint directory")
     who.add_argument("--drafter", help="a training-free drafter by name (prompt_lookup)")
     who.add_argument("--draft-model", help="any causal LM with the target's vocabulary")
     s.add_argument("--target", help="target model (default: the checkpoint's, else SmolLM2)")
     s.add_argument(
         "--prompts",
-        default="mtbench,humaneval",
-        help="comma-separated prompt sources: packaged names or .jsonl/.json files",
+        help="comma-separated prompt sources: packaged names or "
+        ".jsonl/.json files (default: mtbench,humaneval)",
     )
-    s.add_argument("--num-prompts", type=int, default=8, help="prompts scored (after warm-up)")
-    s.add_argument("--warmup", type=int, default=1, help="warm-up prompts, not counted")
-    s.add_argument("--k", type=int, default=4, help="draft tokens per round")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--max-ngram", type=int, default=3, help="prompt lookup's longest n-gram")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--num-prompts", type=int, help="prompts scored after warm-up (default 8)")
+    s.add_argument("--warmup", type=int, help="warm-up prompts, not counted (default 1)")
+    s.add_argument("--k", type=int, help="draft tokens per round (default 4)")
+    s.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, help="default 0: off")
+    s.add_argument("--top-p", type=float, help="default 1.0: off")
+    s.add_argument("--max-new-tokens", type=int, help="default 128")
+    s.add_argument("--max-ngram", type=int, help="prompt lookup's longest n-gram (default 3)")
+    s.add_argument("--seed", type=int, help="default 0")
     s.add_argument(
         "--exact-verify-length",
         action="store_true",
         help="verify exactly the drafted tokens instead of padding short drafts to "
         "the cheapest verify length of the measured cost profile",
     )
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")
     s.add_argument("--out", help="score.json path (default: beside the checkpoint, or ./)")
     s.set_defaults(func=_score)

@@ -76,6 +76,8 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     from specdec.target import FrozenTarget
 
     settings.check()
+    if job.num_prompts < 1:
+        raise ConfigError(f"num_prompts: must be >= 1, got {job.num_prompts}")
     chosen = [x for x in (job.checkpoint, job.drafter, job.draft_model) if x]
     if len(chosen) != 1:
         raise ConfigError("give exactly one of --checkpoint, --drafter or --draft-model")
