@@ -20,7 +20,7 @@ from specdec.data.build import load_training_data
 from specdec.drafters.draft_model import build_draft_model
 from specdec.losses import distill_loss
 from specdec.target import FrozenTarget
-from specdec.training.loop import _token_counts, micro_batch
+from specdec.training.loop import micro_batch, token_counts
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -38,7 +38,7 @@ def main() -> None:
     recipe = load_recipe(args.config, args.overrides)
     target = FrozenTarget.from_config(recipe.target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
-    drafter = build_draft_model(target, recipe.drafter, _token_counts(dataset, target.vocab_size))
+    drafter = build_draft_model(target, recipe.drafter, token_counts(dataset, target.vocab_size))
     model = drafter.model.train()
     optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=1e-5)
     pad = target.tokenizer.pad_token_id or 0
@@ -58,8 +58,12 @@ def main() -> None:
             teacher = target.forward(batch["input_ids"], batch["attention_mask"]).logits
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         mask = batch["loss_mask"][:, 1:].bool()
-        loss, _ = distill_loss(logits.logits[:, :-1].float(), drafter.restrict(teacher[:, :-1]),
-                               mask, mix={recipe.loss.name: 1.0})
+        loss, _ = distill_loss(
+            logits.logits[:, :-1].float(),
+            drafter.restrict(teacher[:, :-1]),
+            mask,
+            mix={recipe.loss.name: 1.0},
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -72,8 +76,10 @@ def main() -> None:
             step(batch)
         results[name] = tokens / (time.perf_counter() - t0)
     ceiling = results["target forward only"]
-    print(f"{args.config}: {args.steps} micro-batches of {size}, {tokens} tokens, "
-          f"threads {torch.get_num_threads()}, device {target.device}")
+    print(
+        f"{args.config}: {args.steps} micro-batches of {size}, {tokens} tokens, "
+        f"threads {torch.get_num_threads()}, device {target.device}"
+    )
     for name, tps in results.items():
         print(f"{name:<22}{tps:>10.1f} tokens/s{tps / ceiling:>8.2f}x of the ceiling")
     print(f"peak memory {peak_memory_mb(target.device):.0f} MiB")

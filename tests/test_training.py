@@ -116,10 +116,10 @@ def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path):
 
     target = FrozenTarget.from_config(recipe.target)
     from specdec.data.build import load_training_data
-    from specdec.training.loop import _token_counts
+    from specdec.training.loop import token_counts
 
     dataset, _ = load_training_data(recipe, target.tokenizer)
-    fresh = build_draft_model(target, recipe.drafter, _token_counts(dataset, target.vocab_size))
+    fresh = build_draft_model(target, recipe.drafter, token_counts(dataset, target.vocab_size))
     for name, before in fresh.model.state_dict().items():
         if name in ckpt:
             assert not torch.equal(before, ckpt[name]), f"{name} did not change"

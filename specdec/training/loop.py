@@ -119,7 +119,7 @@ def setup(recipe: Recipe) -> Run:
     if recipe.drafter.from_pretrained:
         drafter = DraftModelDrafter.from_checkpoint(recipe.drafter.from_pretrained, target)
     else:
-        counts = _token_counts(dataset, target.vocab_size)
+        counts = token_counts(dataset, target.vocab_size)
         drafter = build_draft_model(target, recipe.drafter, counts)
     drafter.model.train()
     optimizer = torch.optim.AdamW(
@@ -302,7 +302,7 @@ def _save(accelerator: Accelerator, state_dir: Path) -> None:
     accelerator.wait_for_everyone()
 
 
-def _token_counts(dataset, vocab_size: int) -> torch.Tensor:
+def token_counts(dataset, vocab_size: int) -> torch.Tensor:
     """How often each target token is an assistant token: picks a reduced draft vocabulary."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
