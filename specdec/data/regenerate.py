@@ -4,13 +4,8 @@ Medusa (Cai et al., 2024), EAGLE (Li et al., 2024) and DistillSpec (Zhou et al.,
 drafters on responses the target generated itself, so the drafter learns the distribution it
 will be asked to predict at decoding time rather than that of whoever wrote the dataset.
 
-Layout of ``out_dir``::
-
-    manifest.json        settings, model identity and counts (rewritten atomically)
-    shard-00000.jsonl    rows in processing order (longest prompt first), each written
-    shard-00001.jsonl    atomically (temp file + os.replace), so a shard on disk is complete
-
-A run killed at any point (Ctrl-C, SIGKILL) is continued by calling :func:`regenerate` again
+Rows are written to ``out_dir`` as shards beside a manifest (:mod:`specdec.data.shards`). A
+run killed at any point (Ctrl-C, SIGKILL) is continued by calling :func:`regenerate` again
 with the same arguments: ids found in the shards are skipped, the rest are generated into new
 shards. A different generation setting, model or prompt set in the same ``out_dir`` is an error.
 
@@ -25,26 +20,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import torch
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from specdec.data.shards import FORMAT, MANIFEST, ShardWriter, load_regenerated, resume
+from specdec.data.shards import write_atomic as _write_atomic
 from specdec.decoding.sampling import SamplingParams, probabilities
 from specdec.errors import DataError, ModelError
 
-logger = logging.getLogger(__name__)
+__all__ = ["MANIFEST", "FORMAT", "RegenerateStats", "load_regenerated", "regenerate"]
 
-MANIFEST = "manifest.json"
-FORMAT = "specdec-regenerated/1"
-_COLUMNS = ("id", "messages", "category", "num_new_tokens", "finished")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -154,7 +147,7 @@ def regenerate(
         "prompts": _fingerprint(kept),
     }
     out = Path(out_dir)
-    on_disk = _resume(out, settings)
+    on_disk = resume(out, settings)
     todo = [p for p in kept if p.id not in on_disk]
     if sort_by_length:
         todo.sort(key=lambda p: (-len(p.token_ids), p.index))
@@ -170,7 +163,8 @@ def regenerate(
         },
         "counts": {"num_prompts": len(rows), "num_too_long": len(too_long)},
     }
-    writer = _ShardWriter(out, shard_size, manifest, on_disk)
+    # _write_atomic is looked up per call, so a write that dies mid-run can stand in for it
+    writer = ShardWriter(out, shard_size, manifest, on_disk, write_file=_write_atomic)
     generate = _BatchGenerator(model, params, seed, eos_ids, tokenizer.pad_token_id, max_new_tokens)
     bar = tqdm(total=len(todo), unit="prompt", desc="regenerate", disable=not progress)
     with bar:
@@ -194,30 +188,6 @@ def regenerate(
         stats.new_tokens, stats.seconds, stats.tokens_per_second,
     )  # fmt: skip
     return stats
-
-
-def load_regenerated(out_dir: str | Path) -> datasets.Dataset:
-    """All rows of a regeneration, in the order of the prompts given to :func:`regenerate`.
-
-    Returns:
-        Columns ``id``, ``messages`` (the prompt plus the target's assistant turn),
-        ``category``, ``num_new_tokens`` and ``finished`` (the response ended with EOS).
-    """
-    out = Path(out_dir)
-    manifest = _read_manifest(out)
-    if manifest is None:
-        raise DataError(f"{out / MANIFEST} not found: {out} holds no regeneration")
-    rows = []
-    for path in _shard_paths(out):
-        rows.extend(_read_shard(path))
-    ids = [r["id"] for r in rows]
-    if len(set(ids)) != len(ids):
-        raise DataError(f"{out} holds some ids in more than one shard; regenerate it afresh")
-    counts = manifest.get("counts", {})
-    if not counts.get("complete", False):
-        logger.warning("%s is incomplete (%d rows); rerun regenerate to finish it", out, len(rows))
-    rows.sort(key=lambda r: r["index"])
-    return datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in _COLUMNS})
 
 
 def _generate_all(batches, generate, tokenizer, writer, bar) -> tuple[int, int, float]:
@@ -308,53 +278,6 @@ class _BatchGenerator:
         return results
 
 
-class _ShardWriter:
-    """Buffers rows and writes them as numbered shards, keeping the manifest's counts."""
-
-    def __init__(self, out: Path, shard_size: int, manifest: dict, on_disk: dict[str, bool]):
-        self.out = out
-        self.shard_size = shard_size
-        self.manifest = manifest
-        self.buffer: list[dict] = []
-        self.num_shards = len(_shard_paths(out))
-        self.next_index = 1 + max((_shard_index(p) for p in _shard_paths(out)), default=-1)
-        self.num_rows = len(on_disk)
-        self.num_finished = sum(on_disk.values())
-
-    def add(self, row: dict) -> None:
-        self.buffer.append(row)
-        if len(self.buffer) >= self.shard_size:
-            self._write(self.buffer[: self.shard_size])
-            self.buffer = self.buffer[self.shard_size :]
-
-    def flush(self) -> None:
-        if self.buffer:
-            self._write(self.buffer)
-            self.buffer = []
-        self.write_manifest()
-
-    def _write(self, rows: list[dict]) -> None:
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-        _write_atomic(self.out / f"shard-{self.next_index:05d}.jsonl", text)
-        self.next_index += 1
-        self.num_shards += 1
-        self.num_rows += len(rows)
-        self.num_finished += sum(r["finished"] for r in rows)
-        self.write_manifest()
-
-    def write_manifest(self) -> None:
-        counts = self.manifest["counts"]
-        expected = counts["num_prompts"] - counts["num_too_long"]
-        counts.update(
-            num_rows=self.num_rows,
-            num_finished=self.num_finished,
-            num_truncated=self.num_rows - self.num_finished,
-            num_shards=self.num_shards,
-            complete=self.num_rows == expected and not self.buffer,
-        )
-        _write_atomic(self.out / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
-
-
 def _checked_prompts(prompts: Sequence[dict]) -> list[dict]:
     seen: set[str] = set()
     for i, row in enumerate(prompts):
@@ -443,62 +366,3 @@ def _row(tokenizer, prompt: _Prompt, ids: list[int], finished: bool) -> dict:
         "num_new_tokens": len(ids),
         "finished": finished,
     }
-
-
-def _resume(out: Path, settings: dict) -> dict[str, bool]:
-    """Checks ``out`` against ``settings``; returns ``{id: finished}`` of rows already there."""
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.tmp"):
-        stale.unlink()  # a write that was killed before its os.replace
-    manifest = _read_manifest(out)
-    if manifest is None:
-        if _shard_paths(out):
-            raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
-        return {}
-    old = manifest.get("settings", {})
-    for key, value in settings.items():
-        if old.get(key) != value:
-            shown = "a different prompt set or chat template" if key == "prompts" else None
-            detail = shown or f"{key}={old.get(key)!r} there, {value!r} now"
-            raise DataError(
-                f"{out} holds a different regeneration ({detail}); use another out_dir or delete it"
-            )
-    return {r["id"]: r["finished"] for path in _shard_paths(out) for r in _read_shard(path)}
-
-
-def _read_manifest(out: Path) -> dict | None:
-    path = out / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path} is not valid JSON: {err}") from None
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{path} is not a {FORMAT} manifest (format {manifest.get('format')!r})")
-    return manifest
-
-
-def _shard_paths(out: Path) -> list[Path]:
-    return sorted(out.glob("shard-*.jsonl"), key=_shard_index)
-
-
-def _shard_index(path: Path) -> int:
-    return int(path.stem.split("-", 1)[1])
-
-
-def _read_shard(path: Path) -> list[dict]:
-    with path.open() as f:
-        try:
-            return [json.loads(line) for line in f if line.strip()]
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path} is not valid JSONL: {err}") from None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

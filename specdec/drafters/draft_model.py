@@ -12,12 +12,9 @@ Training face: :func:`build_draft_model` makes a small model of the target's own
 ``train_logits`` gives its ``[B, T, D]`` logits and ``restrict`` cuts the target's logits to
 the same D tokens, so a loss compares like with like.
 
-Checkpoints: ``save`` writes a transformers directory (``save_pretrained``, safetensors), the
-target's tokenizer, ``vocab_map.safetensors`` when the vocabulary is reduced, and
-``drafter.json``. A full-vocabulary checkpoint is a plain transformers model (it works as
-``assistant_model`` in ``generate``). A reduced-vocabulary one is not: its head has D rows while
-``config.vocab_size`` is the input vocabulary, so it loads only through :meth:`from_checkpoint`
-and decodes only with specdec's decoder; its config says so in ``specdec_draft_vocab_size``.
+Checkpoints: :meth:`DraftModelDrafter.save` writes, and :mod:`specdec.drafters.checkpoint`
+reads, a transformers directory with the target's tokenizer, ``drafter.json`` and, for a
+reduced vocabulary, ``vocab_map.safetensors``.
 """
 
 from __future__ import annotations
@@ -33,15 +30,18 @@ import torch
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
 from specdec.decoding.session import ModelSession
 from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.checkpoint import (
+    CHECKPOINT_FILE,
+    REDUCED_VOCAB_ATTR,
+    VOCAB_MAP_FILE,
+    load_draft_model,
+    load_reduced,
+    read_meta,
+)
 from specdec.errors import ConfigError, ModelError
 from specdec.files import atomic_dir
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_FILE = "drafter.json"
-VOCAB_MAP_FILE = "vocab_map.safetensors"
-#: config attribute of a reduced-vocabulary draft model: the number of rows of its LM head
-REDUCED_VOCAB_ATTR = "specdec_draft_vocab_size"
 
 
 class DraftModelDrafter(Drafter):
@@ -85,7 +85,7 @@ class DraftModelDrafter(Drafter):
                 "%s was trained for %s, loading for %s", path, meta["target"], target.name
             )
         if (Path(path) / VOCAB_MAP_FILE).is_file():
-            return _load_reduced(Path(path), target)
+            return load_reduced(Path(path), target)
         return load_draft_model(
             str(path), target.tokenizer, target.vocab_size, device=target.device
         )
@@ -246,7 +246,7 @@ def build_draft_model(target, cfg, token_counts: torch.Tensor | None = None) -> 
     if cfg.init_from_target:
         _copy_from_target(model, target, layers, copy_layers=_layers_match(config, target, cfg))
     if vocab_map is not None:
-        _reduce_head(model, vocab_map)
+        reduce_head(model, vocab_map)
     model.to(target.device)
     return DraftModelDrafter(model, target.vocab_size, vocab_map, tokenizer=target.tokenizer)
 
@@ -370,7 +370,7 @@ def select_vocab(token_counts: torch.Tensor, size: int, keep: Sequence[int] = ()
 
 
 @torch.no_grad()
-def _reduce_head(model, vocab_map: torch.Tensor) -> None:
+def reduce_head(model, vocab_map: torch.Tensor) -> None:
     """Replace the LM head by its rows at ``vocab_map`` (untied from the input embeddings)."""
     head = model.get_output_embeddings()
     reduced = torch.nn.Linear(head.in_features, len(vocab_map), bias=head.bias is not None)
@@ -379,100 +379,3 @@ def _reduce_head(model, vocab_map: torch.Tensor) -> None:
     if head.bias is not None:
         reduced.bias.copy_(head.bias[vocab_map])
     model.set_output_embeddings(reduced)
-
-
-# ---------------------------------------------------------------------------------- loading
-
-
-def read_meta(path: str | os.PathLike) -> dict:
-    """The ``drafter.json`` of a checkpoint directory."""
-    meta = Path(path) / CHECKPOINT_FILE
-    if not meta.is_file():
-        raise ModelError(f"not a specdec checkpoint: {path} (no {CHECKPOINT_FILE} found)")
-    try:
-        return json.loads(meta.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelError(f"{meta}: unreadable ({err.msg}, line {err.lineno})") from None
-
-
-def _load_reduced(path: Path, target) -> DraftModelDrafter:
-    """A reduced-vocabulary checkpoint: the model is built from its config with a D-row head,
-    then its state dict is loaded (plain ``from_pretrained`` expects V rows)."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    _check_tokenizer(str(path), target.tokenizer)
-    config = AutoConfig.from_pretrained(path)
-    vocab_map = load_file(path / VOCAB_MAP_FILE)["vocab_map"]
-    size = getattr(config, REDUCED_VOCAB_ATTR, None)
-    if size != len(vocab_map) or int(vocab_map.max()) >= target.vocab_size:
-        raise ModelError(f"{path}: {VOCAB_MAP_FILE} does not fit its config or the target")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _reduce_head(model, torch.arange(size))
-    state = {}
-    for file in sorted(path.glob("model*.safetensors")):
-        state.update(load_file(file))
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise ModelError(f"{path}: weights do not fit the config: {err}") from None
-    model.to(target.device)
-    return DraftModelDrafter(model, target.vocab_size, vocab_map, tokenizer=target.tokenizer)
-
-
-def _check_tokenizer(path_or_id: str, target_tokenizer) -> None:
-    """The draft's saved tokenizer must be the target's (read with the target's tokenizer class:
-    ``AutoTokenizer`` may pick a model-specific class that adds tokens of its own)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = None
-    for loader in (type(target_tokenizer), AutoTokenizer):
-        try:
-            tokenizer = loader.from_pretrained(path_or_id)
-            break
-        except Exception:  # no usable tokenizer for this reader: try the next one
-            continue
-    if tokenizer is None:
-        return  # weights without a tokenizer: the embedding size is checked by the caller
-    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ModelError(
-            f"draft model {path_or_id} has a different vocabulary from the target "
-            f"({len(tokenizer)} vs {len(target_tokenizer)} tokens); a draft model must share "
-            "the target's tokenizer"
-        )
-
-
-def load_draft_model(
-    path_or_id: str, target_tokenizer, target_vocab_size: int, *, dtype=None, device=None
-) -> DraftModelDrafter:
-    """Load any causal LM that shares the target's tokenizer as a drafter.
-
-    Raises:
-        ModelError: the path does not exist, or the draft's vocabulary is not the target's.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    local = Path(path_or_id).expanduser()
-    looks_local = path_or_id.startswith((".", "/", "~")) or local.exists()
-    if looks_local and not local.is_dir():
-        raise ModelError(f"draft model not found: {path_or_id}")
-    _check_tokenizer(path_or_id, target_tokenizer)
-    try:
-        if getattr(AutoConfig.from_pretrained(path_or_id), REDUCED_VOCAB_ATTR, None):
-            raise ModelError(
-                f"{path_or_id} has a reduced output vocabulary: load it as a specdec checkpoint "
-                "(--checkpoint); it decodes only with specdec's decoder"
-            )
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype or torch.float32)
-    except (OSError, ValueError) as err:
-        raise ModelError(
-            f"cannot load draft model {path_or_id}: {str(err).splitlines()[0]}"
-        ) from None
-    if model.get_input_embeddings().num_embeddings < len(target_tokenizer):
-        raise ModelError(
-            f"draft model {path_or_id} embeds {model.get_input_embeddings().num_embeddings} "
-            f"tokens but the target's tokenizer has {len(target_tokenizer)}"
-        )
-    if device is not None:
-        model = model.to(device)
-    return DraftModelDrafter(model, target_vocab_size, tokenizer=target_tokenizer)

@@ -1,0 +1,195 @@
+"""The recipe schema: one dataclass per YAML section, each field with its help text and rules.
+
+The dataclasses are the single description of a recipe: :mod:`specdec.config.validation` checks
+raw YAML against them and :func:`~specdec.config.loader.describe` prints them. Field rules
+(``ge``, ``gt``, ``le``, ``choices``) live in the field metadata, set by :func:`_opt`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
+LOSS_NAMES: tuple[str, ...] = get_args(LossName)
+DRAFTER_TYPES = ("draft_model", "medusa", "mtp", "eagle3", "prompt_lookup")
+EXPORT_FORMATS = ("hf", "speculators", "sglang", "medusa")
+TRACKERS = ("wandb", "tensorboard")
+DEFAULT_TARGET = "smollm2-135m-instruct"
+ACCELERATE_DIR = "accelerate"
+
+
+def _opt(default: Any = MISSING, help: str = "", **rules: Any) -> Any:
+    """A dataclass field with help text and optional ``rules`` checked on load.
+
+    Rules: ``ge``, ``gt``, ``le`` bound a number; ``choices`` lists the allowed strings (for a
+    list, each item; for a dict, each key). Mutable defaults become factories.
+    """
+    metadata = {"help": help, **rules}
+    if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class RunConfig:
+    name: str = _opt("run", "Run name; the run directory is runs/<name> unless output_dir is set.")
+    output_dir: str | None = _opt(None, "Run directory (checkpoints, metrics); null: runs/<name>.")
+    seed: int = _opt(0, "Seed for model initialisation, data order and sampling.")
+    log_level: Literal["debug", "info", "warning"] = _opt("info", "Logging verbosity.")
+
+
+@dataclass
+class TargetConfig:
+    model: str = _opt(
+        DEFAULT_TARGET,
+        f"Frozen target: '{DEFAULT_TARGET}' (the embedded default), a hub id, a local "
+        "directory, or a path to a .gguf file.",
+    )
+    gguf_file: str | None = _opt(None, "GGUF file name inside a hub repo or local directory.")
+    revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of the target.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "Target weight dtype.")
+    device: str = _opt("auto", "Device of the target: auto, cpu, cuda, cuda:1, mps ...")
+    cache_dir: str | None = _opt(
+        None, "Model/data cache; null: $SPECDEC_CACHE or ~/.cache/specdec."
+    )
+    attn_implementation: str | None = _opt(None, "transformers attention backend, e.g. sdpa.")
+    trust_remote_code: bool = _opt(False, "Allow custom modeling code from the hub repo.")
+
+
+@dataclass
+class DrafterConfig:
+    type: str = _opt("draft_model", "Drafter family (registry name).", choices=DRAFTER_TYPES)
+    from_pretrained: str | None = _opt(None, "Start from a saved drafter checkpoint directory.")
+    num_layers: int = _opt(2, "Decoder layers of the drafter.", ge=1)
+    hidden_size: int | None = _opt(None, "Drafter hidden size; null: the target's.", ge=1)
+    intermediate_size: int | None = _opt(None, "MLP size; null: the target's.", ge=1)
+    num_attention_heads: int | None = _opt(None, "Attention heads; null: the target's.", ge=1)
+    num_key_value_heads: int | None = _opt(None, "Key/value heads; null: the target's.", ge=1)
+    init_from_target: bool = _opt(True, "Copy embeddings, head and layers from the target.")
+    init_layers: list[int] = _opt(
+        [], "Target layers copied into the drafter (negatives count from the end); []: spread."
+    )
+    draft_vocab_size: int | None = _opt(
+        None, "Reduced output vocabulary (most frequent target tokens); null: the full one.", ge=1
+    )
+    num_heads: int = _opt(4, "Prediction heads (medusa) or extra positions (mtp).", ge=1)
+    max_ngram: int = _opt(3, "Longest n-gram matched in the context (prompt_lookup).", ge=1)
+    min_ngram: int = _opt(1, "Shortest n-gram matched in the context (prompt_lookup).", ge=1)
+
+
+@dataclass
+class PromptSource:
+    _shorthand = "source"  # a bare string in YAML means {source: <string>}
+
+    source: str = _opt(
+        help="A packaged name (alpaca_eval, arena_hard, ifeval, writingbench_en, mtbench, "
+        "humaneval), a local .jsonl/.json/.parquet file, or a hub dataset id."
+    )
+    format: Literal["auto", "sharegpt", "messages", "prompt", "turns"] = _opt(
+        "auto", "Row shape; auto detects it from the first row."
+    )
+    split: str = _opt("train", "Split of a hub dataset.")
+    limit: int | None = _opt(None, "Use at most this many rows of this source.", ge=1)
+    category: str | None = _opt(None, "Keep only rows of this category.")
+
+
+@dataclass
+class RegenerateConfig:
+    enabled: bool = _opt(True, "Replace reference answers with the target's own completions.")
+    max_new_tokens: int = _opt(256, "Length of each regenerated answer.", ge=1)
+    temperature: float = _opt(0.0, "Sampling temperature; 0 is greedy.", ge=0)
+    top_p: float = _opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
+    top_k: int = _opt(0, "Top-k sampling; 0 is off.", ge=0)
+    batch_size: int = _opt(16, "Prompts generated together.", ge=1)
+    seed: int = _opt(0, "Sampling seed.")
+    shard_size: int = _opt(64, "Rows per saved shard; an interrupted run resumes per shard.", ge=1)
+
+
+@dataclass
+class DataConfig:
+    prompts: list[PromptSource] = _opt(
+        [PromptSource(s) for s in ("alpaca_eval", "arena_hard", "ifeval", "writingbench_en")],
+        "Training prompt sources, concatenated in order.",
+    )
+    max_prompts: int | None = _opt(None, "Use at most this many prompts in all.", ge=1)
+    max_length: int = _opt(1024, "Longest tokenized conversation.", ge=2)
+    overflow: Literal["truncate", "drop"] = _opt("truncate", "What to do with longer ones.")
+    require_assistant: bool = _opt(False, "Error on a chat row without an assistant turn.")
+    regenerate: RegenerateConfig = _opt(RegenerateConfig(), "Target regeneration of answers.")
+    dataset_dir: str | None = _opt(None, "Where regenerated data lives; null: <run dir>/data.")
+    num_proc: int = _opt(1, "Processes used for tokenization.", ge=1)
+
+
+@dataclass
+class LossConfig:
+    name: LossName = _opt("forward_kl", "Divergence between target and drafter distributions.")
+    mix: dict[str, float] = _opt(
+        {}, "Weighted mix of losses, e.g. {forward_kl: 0.5, ce: 0.5}; overrides name.",
+        choices=LOSS_NAMES, ge=0,
+    )  # fmt: skip
+    temperature: float = _opt(1.0, "Softmax temperature of both distributions.", gt=0)
+    beta: float = _opt(0.5, "JSD interpolation weight.", ge=0, le=1)
+    teacher_top_k: int | None = _opt(None, "Keep only the target's top-k logits.", ge=1)
+
+
+@dataclass
+class TrainConfig:
+    lr: float = _opt(3e-4, "Peak learning rate (AdamW).", gt=0)
+    weight_decay: float = _opt(0.0, "AdamW weight decay.", ge=0)
+    warmup_steps: int = _opt(0, "Linear warm-up steps.", ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = _opt("cosine", "Decay after warm-up.")
+    max_steps: int = _opt(1000, "Optimizer steps; 0 trains nothing (score only).", ge=0)
+    batch_size: int = _opt(8, "Sequences per device per micro-batch.", ge=1)
+    grad_accum: int = _opt(1, "Micro-batches per optimizer step.", ge=1)
+    max_grad_norm: float = _opt(1.0, "Gradient clipping norm; 0 is off.", ge=0)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = _opt(
+        "auto", "Autocast of the drafter; auto: bf16 where the GPU supports it, else no."
+    )
+    save_every: int = _opt(200, "Checkpoint (and score) every this many steps.", ge=1)
+    log_every: int = _opt(10, "Log metrics every this many steps.", ge=1)
+    resume: bool = _opt(True, "Resume from the latest checkpoint in the run directory.")
+    trackers: list[str] = _opt([], "Extra trackers (jsonl is always on).", choices=TRACKERS)
+    wandb_project: str = _opt("specdec", "Weights & Biases project.")
+
+
+@dataclass
+class EvalConfig:
+    prompts: list[PromptSource] = _opt(
+        [PromptSource("mtbench"), PromptSource("humaneval")], "Held-out prompt sources."
+    )
+    num_prompts: int = _opt(8, "Held-out prompts scored, in all, across the sources.", ge=1)
+    k: int = _opt(4, "Draft tokens proposed per step.", ge=1)
+    temperature: float = _opt(0.0, "Sampling temperature; 0 is greedy.", ge=0)
+    top_k: int = _opt(0, "Top-k sampling; 0 is off.", ge=0)
+    top_p: float = _opt(1.0, "Nucleus sampling mass.", gt=0, le=1)
+    max_new_tokens: int = _opt(128, "Tokens generated per prompt.", ge=1)
+    seed: int = _opt(0, "Sampling seed.")
+    warmup_prompts: int = _opt(1, "Prompts run first and left out of timings.", ge=0)
+
+
+@dataclass
+class ExportConfig:
+    formats: list[str] = _opt(["hf"], "Export formats.", choices=EXPORT_FORMATS)
+    output_dir: str | None = _opt(None, "Where exports go; null: <run dir>/export.")
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = _opt(RunConfig(), "Name, directory, seed and logging of the run.")
+    target: TargetConfig = _opt(TargetConfig(), "The frozen target model.")
+    drafter: DrafterConfig = _opt(DrafterConfig(), "The drafter being trained or scored.")
+    data: DataConfig = _opt(DataConfig(), "Training prompts and their regeneration.")
+    loss: LossConfig = _opt(LossConfig(), "Distillation loss.")
+    train: TrainConfig = _opt(TrainConfig(), "Optimisation and checkpointing.")
+    eval: EvalConfig = _opt(EvalConfig(), "Scoring of checkpoints.")
+    export: ExportConfig = _opt(ExportConfig(), "Export of the trained drafter.")
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory: ``run.output_dir`` or ``runs/<run.name>``."""
+        return Path(self.run.output_dir) if self.run.output_dir else Path("runs") / self.run.name

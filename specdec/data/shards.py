@@ -1,0 +1,178 @@
+"""On-disk format of a regeneration: numbered JSONL shards beside a manifest, written atomically.
+
+Layout of ``out_dir``::
+
+    manifest.json        settings, model identity and counts (rewritten atomically)
+    shard-00000.jsonl    rows in processing order (longest prompt first), each written
+    shard-00001.jsonl    atomically (temp file + os.replace), so a shard on disk is complete
+
+:func:`resume` checks an existing ``out_dir`` against the settings of a new run and returns the
+rows already there; :func:`load_regenerated` reads all rows back, in prompt order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+
+from specdec.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "specdec-regenerated/1"
+_COLUMNS = ("id", "messages", "category", "num_new_tokens", "finished")
+
+
+def load_regenerated(out_dir: str | Path) -> datasets.Dataset:
+    """All rows of a regeneration, in the order of the prompts given to
+    :func:`~specdec.data.regenerate.regenerate`.
+
+    Returns:
+        Columns ``id``, ``messages`` (the prompt plus the target's assistant turn),
+        ``category``, ``num_new_tokens`` and ``finished`` (the response ended with EOS).
+    """
+    out = Path(out_dir)
+    manifest = _read_manifest(out)
+    if manifest is None:
+        raise DataError(f"{out / MANIFEST} not found: {out} holds no regeneration")
+    rows = []
+    for path in _shard_paths(out):
+        rows.extend(_read_shard(path))
+    ids = [r["id"] for r in rows]
+    if len(set(ids)) != len(ids):
+        raise DataError(f"{out} holds some ids in more than one shard; regenerate it afresh")
+    counts = manifest.get("counts", {})
+    if not counts.get("complete", False):
+        logger.warning("%s is incomplete (%d rows); rerun regenerate to finish it", out, len(rows))
+    rows.sort(key=lambda r: r["index"])
+    return datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in _COLUMNS})
+
+
+def resume(out: Path, settings: dict) -> dict[str, bool]:
+    """Checks ``out`` against ``settings``; returns ``{id: finished}`` of rows already there."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.tmp"):
+        stale.unlink()  # a write that was killed before its os.replace
+    manifest = _read_manifest(out)
+    if manifest is None:
+        if _shard_paths(out):
+            raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
+        return {}
+    old = manifest.get("settings", {})
+    for key, value in settings.items():
+        if old.get(key) != value:
+            shown = "a different prompt set or chat template" if key == "prompts" else None
+            detail = shown or f"{key}={old.get(key)!r} there, {value!r} now"
+            raise DataError(
+                f"{out} holds a different regeneration ({detail}); use another out_dir or delete it"
+            )
+    return {r["id"]: r["finished"] for path in _shard_paths(out) for r in _read_shard(path)}
+
+
+def _read_manifest(out: Path) -> dict | None:
+    path = out / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path} is not valid JSON: {err}") from None
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{path} is not a {FORMAT} manifest (format {manifest.get('format')!r})")
+    return manifest
+
+
+def _shard_paths(out: Path) -> list[Path]:
+    return sorted(out.glob("shard-*.jsonl"), key=_shard_index)
+
+
+def _shard_index(path: Path) -> int:
+    return int(path.stem.split("-", 1)[1])
+
+
+def _read_shard(path: Path) -> list[dict]:
+    with path.open() as f:
+        try:
+            return [json.loads(line) for line in f if line.strip()]
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path} is not valid JSONL: {err}") from None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through ``<name>.tmp``, fsynced before the ``os.replace``,
+    so a killed run leaves the old file or the whole new one (:func:`resume` clears ``*.tmp``)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Buffers rows and writes them as numbered shards, keeping the manifest's counts.
+
+    Args:
+        out: the regeneration directory.
+        shard_size: rows per shard.
+        manifest: the manifest to keep up to date; its ``counts`` are rewritten.
+        on_disk: ``{id: finished}`` of the rows already in ``out``.
+        write_file: writes one file atomically; every shard and the manifest go through it.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        shard_size: int,
+        manifest: dict,
+        on_disk: dict[str, bool],
+        write_file: Callable[[Path, str], None] = write_atomic,
+    ):
+        self.out = out
+        self.write_file = write_file
+        self.shard_size = shard_size
+        self.manifest = manifest
+        self.buffer: list[dict] = []
+        self.num_shards = len(_shard_paths(out))
+        self.next_index = 1 + max((_shard_index(p) for p in _shard_paths(out)), default=-1)
+        self.num_rows = len(on_disk)
+        self.num_finished = sum(on_disk.values())
+
+    def add(self, row: dict) -> None:
+        self.buffer.append(row)
+        if len(self.buffer) >= self.shard_size:
+            self._write(self.buffer[: self.shard_size])
+            self.buffer = self.buffer[self.shard_size :]
+
+    def flush(self) -> None:
+        if self.buffer:
+            self._write(self.buffer)
+            self.buffer = []
+        self.write_manifest()
+
+    def _write(self, rows: list[dict]) -> None:
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        self.write_file(self.out / f"shard-{self.next_index:05d}.jsonl", text)
+        self.next_index += 1
+        self.num_shards += 1
+        self.num_rows += len(rows)
+        self.num_finished += sum(r["finished"] for r in rows)
+        self.write_manifest()
+
+    def write_manifest(self) -> None:
+        counts = self.manifest["counts"]
+        expected = counts["num_prompts"] - counts["num_too_long"]
+        counts.update(
+            num_rows=self.num_rows,
+            num_finished=self.num_finished,
+            num_truncated=self.num_rows - self.num_finished,
+            num_shards=self.num_shards,
+            complete=self.num_rows == expected and not self.buffer,
+        )
+        self.write_file(self.out / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
