@@ -75,6 +75,7 @@ def plot(result: dict, path: str | Path) -> Path:
         ylim=(0, 1.05),
         title=f"acceptance (tau = {result['tau']:.2f})",
     )
+    left.set_xticks(list(positions))
     left.legend(fontsize=8)
     hist = result["accepted_length_histogram"]
     right.bar(range(len(hist)), hist)

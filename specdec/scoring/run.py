@@ -220,9 +220,16 @@ def environment(model) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": str(param.device),
-        "device_name": torch.cuda.get_device_name(param.device)
-        if param.is_cuda
-        else platform.processor(),
+        "device_name": torch.cuda.get_device_name(param.device) if param.is_cuda else _cpu_name(),
         "threads": torch.get_num_threads(),
         "dtype": str(param.dtype).replace("torch.", ""),
     }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return names[0] if names else platform.processor()
+    except OSError:
+        return platform.processor()
