@@ -17,10 +17,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -e ".[dev]"
 	touch $@
 
+# fetch the target, regenerate data, distil a drafter, score every checkpoint, then score
+# the training-free prompt-lookup baseline on the same held-out prompts for comparison
 demo: setup
-	$(BIN)/specdec data regenerate --config $(DEMO_RECIPE)
-	$(BIN)/specdec score --drafter prompt_lookup --num-prompts 6 --max-new-tokens 96 \
-		--out runs/demo/prompt_lookup/score.json
+	$(BIN)/specdec train --config $(DEMO_RECIPE)
+	$(BIN)/specdec score --config $(DEMO_RECIPE) --drafter prompt_lookup \
+		--out runs/smollm2-135m-demo/prompt_lookup/score.json
 
 test: setup
 	$(BIN)/python -m pytest -q
