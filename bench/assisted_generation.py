@@ -20,8 +20,8 @@ from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
 from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdec.scoring.command import load_prompts
-from specdec.scoring.run import encode_prompt, eos_ids
-from specdec.target import FrozenTarget
+from specdec.scoring.run import encode_prompt
+from specdec.target import FrozenTarget, eos_token_ids
 
 
 def truncated(model, num_layers: int):
@@ -52,7 +52,7 @@ def main() -> None:
         draft = AutoModelForCausalLM.from_pretrained(args.draft_model).eval()
     else:
         draft = truncated(model, args.draft_layers)
-    eos = eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     rows = load_prompts(tuple(args.prompts.split(",")), args.num_prompts + 1)
     prompts = [encode_prompt(tokenizer, r["messages"]) for r in rows]
     vocab = model.config.vocab_size

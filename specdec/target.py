@@ -406,3 +406,16 @@ class FrozenTarget:
             f"FrozenTarget({self.name!r}, layers={self.num_layers}, hidden={self.hidden_size}, "
             f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device})"
         )
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a sequence: the tokenizer's EOS first, then the generation
+    config's (chat models often stop on an end-of-turn token as well)."""
+    ids: list[int] = []
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        for t in source if isinstance(source, list) else [source]:
+            if t is not None and t not in ids:
+                ids.append(int(t))
+    if not ids:
+        raise ModelError(f"neither tokenizer {tokenizer.name_or_path!r} nor the model has an EOS")
+    return ids

@@ -14,7 +14,8 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import cheapest_verify_lengths, generate
 from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
-from specdec.scoring.run import encode_prompt, eos_ids
+from specdec.scoring.run import encode_prompt
+from specdec.target import eos_token_ids
 
 QUESTIONS = [
     "Write a function that adds two numbers.",
@@ -65,7 +66,7 @@ def drafters(model, vocab):
 def test_greedy_identical_to_generate(tiny_model, k):
     model, tokenizer = tiny_model
     vocab = model.config.vocab_size
-    eos = eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     session = ModelSession(model)
     for name, drafter in drafters(model, vocab).items():
         for question in QUESTIONS:

@@ -7,7 +7,8 @@ from test_decoder import reference, truncated
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
 from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
-from specdec.scoring.run import encode_prompt, eos_ids
+from specdec.scoring.run import encode_prompt
+from specdec.target import eos_token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def cases(smollm2):
     model, tokenizer = smollm2.model, smollm2.tokenizer
-    eos = eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
     return [(p, reference(model, p, 24, eos)) for p in prompts], eos
 

@@ -34,6 +34,7 @@ from specdec.data.shards import FORMAT, MANIFEST, ShardWriter, load_regenerated,
 from specdec.data.shards import write_atomic as _write_atomic
 from specdec.decoding.sampling import SamplingParams, probabilities
 from specdec.errors import DataError, ModelError
+from specdec.target import eos_token_ids
 
 __all__ = ["MANIFEST", "FORMAT", "RegenerateStats", "load_regenerated", "regenerate"]
 
@@ -133,7 +134,7 @@ def regenerate(
             "left out %d of %d prompts longer than max_prompt_length=%d tokens: %s",
             len(too_long), len(rows), max_prompt_length, shown,
         )  # fmt: skip
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     settings = {
         "model": getattr(model.config, "_name_or_path", "") or "",
@@ -313,17 +314,6 @@ def _tokenized(tokenizer, rows: list[dict], max_length: int) -> tuple[list[_Prom
             continue
         kept.append(_Prompt(index, row["id"], row["messages"], row.get("category"), list(ids)))
     return kept, too_long
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        for t in source if isinstance(source, list) else [source]:
-            if t is not None and t not in ids:
-                ids.append(int(t))
-    if not ids:
-        raise ModelError(f"neither tokenizer {tokenizer.name_or_path!r} nor the model has an EOS")
-    return ids
 
 
 def _fingerprint(prompts: list[_Prompt]) -> str:

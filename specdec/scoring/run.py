@@ -23,6 +23,7 @@ from specdec.decoding.speculative import Generation, cheapest_verify_lengths, ge
 from specdec.drafters.base import Drafter
 from specdec.errors import ConfigError
 from specdec.scoring import metrics
+from specdec.target import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +63,6 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     text = "\n\n".join(m["content"] for m in messages)
     return tokenizer(text)["input_ids"]
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    return eos
 
 
 def cost_profile(
@@ -113,7 +106,7 @@ def score(
     """
     settings.check()
     params = settings.params
-    eos = eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     target = ModelSession(model, hidden_layers=drafter.required_target_layers)
     encoded = [encode_prompt(tokenizer, row["messages"]) for row in prompts]
     warm = min(settings.warmup_prompts, max(len(encoded) - 1, 0))
