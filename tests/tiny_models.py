@@ -135,43 +135,32 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> PreTr
     return model.float().eval()
 
 
-def tiny_llama(seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """A 2-layer Llama (hidden 32, 4 heads, 2 kv heads) with a ChatML tokenizer."""
-    tokenizer = tiny_llama_tokenizer()
-    config = LlamaConfig(
+def _tiny(config_cls, model_cls, tokenizer, seed: int, tie: bool) -> tuple:
+    """A seeded 2-layer model (hidden 32, 4 heads, 2 kv heads) of one family."""
+    config = config_cls(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         **_special_ids(tokenizer),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     return _finish(model, tokenizer), tokenizer
+
+
+def tiny_llama(seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """A 2-layer Llama with untied embeddings and a ChatML tokenizer."""
+    return _tiny(LlamaConfig, LlamaForCausalLM, tiny_llama_tokenizer(), seed, tie=False)
 
 
 def tiny_qwen2(seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
-    """A 2-layer Qwen2 (hidden 32, 4 heads, 2 kv heads, tied embeddings) with a Gemma-style
-    tokenizer and template."""
-    tokenizer = tiny_qwen2_tokenizer()
-    config = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        **_special_ids(tokenizer),
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    return _finish(model, tokenizer), tokenizer
+    """A 2-layer Qwen2 with tied embeddings and a Gemma-style tokenizer and template."""
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, tiny_qwen2_tokenizer(), seed, tie=True)
 
 
 def save_tiny(
