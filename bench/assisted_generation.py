@@ -2,7 +2,9 @@
 
 Same target, same draft model, same greedy prompts, same k; every method decodes every prompt
 (interleaved, after one warm-up prompt) and the ratios of total tokens/s are printed. Output
-identity with plain greedy decoding is checked for each method. Not a test: a measurement.
+identity with plain greedy decoding is checked for each method. specdec's draft model runs
+twice: through the model's own transformers forward, and through the compact forward that
+specdec uses by default (float16 on a CPU). Not a test: a measurement.
 
     python bench/assisted_generation.py                         # draft: target's first 4 layers
     python bench/assisted_generation.py --draft-model runs/NAME/export/hf --k 4
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+from specdec.data.chat import prompt_messages
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
 from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
@@ -54,7 +57,7 @@ def main() -> None:
         draft = truncated(model, args.draft_layers)
     eos = eos_token_ids(model, tokenizer)
     rows = load_prompts(tuple(args.prompts.split(",")), args.num_prompts + 1)
-    prompts = [encode_prompt(tokenizer, r["messages"]) for r in rows]
+    prompts = [encode_prompt(tokenizer, prompt_messages(r["messages"])) for r in rows]
     vocab = model.config.vocab_size
     session = ModelSession(model)
     n = args.max_new_tokens
@@ -77,7 +80,8 @@ def main() -> None:
             session, ids, drafter=drafter, k=args.k, max_new_tokens=n, eos_token_ids=eos
         ).tokens
 
-    draft_drafter = DraftModelDrafter(draft, vocab)
+    hf_forward = DraftModelDrafter(draft, vocab, forward="transformers")
+    compact = DraftModelDrafter(draft, vocab)  # the default: compact forward (float16 on CPU)
     methods = {
         "hf generate (plain)": lambda ids: hf(ids),
         "specdec plain": lambda ids: ours(ids, None),
@@ -88,7 +92,8 @@ def main() -> None:
             num_assistant_tokens_schedule="constant",
             assistant_confidence_threshold=0.0,
         ),
-        "specdec draft model": lambda ids: ours(ids, draft_drafter),
+        "specdec draft (hf forward)": lambda ids: ours(ids, hf_forward),
+        "specdec draft model": lambda ids: ours(ids, compact),
         "hf prompt lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=args.k),
         "specdec prompt lookup": lambda ids: ours(ids, PromptLookupDrafter()),
     }

@@ -20,7 +20,7 @@ from specdec.errors import SpecdecError
 SCORE_DEFAULTS = {
     "target": None, "prompts": "mtbench,humaneval", "num_prompts": 8, "warmup": 1, "k": 4,
     "temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 128, "max_ngram": 3,
-    "seed": 0, "dtype": "float32", "cache_dir": None,
+    "seed": 0, "dtype": "float32", "cache_dir": None, "draft_forward": "auto",
 }  # fmt: skip
 
 
@@ -58,6 +58,7 @@ def _score(args: argparse.Namespace) -> None:
         seed=v["seed"],
         warmup_prompts=v["warmup"],
         shape_verify=not args.exact_verify_length,
+        draft_forward=v["draft_forward"],
     )
     result = run_scoring(job, settings)
     print(table(result))
@@ -76,6 +77,7 @@ def _recipe_score_values(path: str, overrides: list[str]) -> tuple[dict, str]:
         "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p,
         "max_new_tokens": ev.max_new_tokens, "seed": ev.seed, "dtype": recipe.target.dtype,
         "cache_dir": recipe.target.cache_dir, "max_ngram": recipe.drafter.max_ngram,
+        "draft_forward": ev.draft_forward,
     }  # fmt: skip
     return values, recipe.drafter.type
 
@@ -174,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="verify exactly the drafted tokens instead of padding short drafts to "
         "the cheapest verify length of the measured cost profile",
+    )
+    s.add_argument(
+        "--draft-forward",
+        choices=["auto", "transformers", "float32", "float16", "bfloat16"],
+        help="how a draft model runs: auto (default) is specdec's compact forward, in float16 "
+        "on a CPU, where the architecture has one; transformers is the model's own forward",
     )
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")

@@ -165,7 +165,7 @@ def test_list_of_dataclasses_names_the_item(write):
         "data:\n  prompts:\n    - alpaca_eval\n    - {source: chats.jsonl, format: chatml}\n"
     )
     msg = error_of(path)
-    assert msg.startswith(f"{path}: data.prompts[1].format: expected one of 'auto', 'sharegpt'")
+    assert msg.startswith(f"{path}: data.prompts[1].format: expected one of 'auto', 'openai'")
     assert msg.endswith("got 'chatml'")
     path = write("data:\n  prompts:\n    - {format: sharegpt}\n")
     assert error_of(path) == f"{path}: data.prompts[0].source: required"
@@ -330,8 +330,10 @@ def test_round_trip_through_dict_and_yaml(tmp_path):
         "source": "org/set",
         "format": "auto",
         "split": "test",
+        "offset": 0,
         "limit": 5,
         "category": None,
+        "responses": "regenerate",
     }
     assert recipe_from_dict(d) == r
     path = tmp_path / "run" / "recipe.yaml"
@@ -382,3 +384,16 @@ def test_iter_recipes_skips_accelerate(tmp_path):
         "a.yaml",
         "x/b.yaml",
     ]
+
+
+def test_literal_choices_match_the_modules_that_read_them():
+    """A recipe accepts exactly the prompt formats the chat module parses and the draft
+    forwards the drafter knows."""
+    from typing import get_args, get_type_hints
+
+    from specdec.config import EvalConfig, PromptSource
+    from specdec.data.chat import FORMATS
+    from specdec.drafters.draft_model import DRAFT_FORWARDS
+
+    assert get_args(get_type_hints(PromptSource)["format"]) == FORMATS
+    assert get_args(get_type_hints(EvalConfig)["draft_forward"]) == DRAFT_FORWARDS

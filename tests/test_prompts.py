@@ -9,6 +9,7 @@ import zipfile
 import pytest
 
 from specdec.assets import PackagedFile, sha256_of
+from specdec.data.chat import prompt_messages
 from specdec.data.prompts import PACKAGED, load_prompt_rows, read_records, split_heldout
 from specdec.errors import DataError
 
@@ -42,11 +43,15 @@ def test_packaged_names():
     assert set(PACKAGED) == names
 
 
-def test_alpaca_eval_keeps_the_instruction_only(tmp_path):
+def test_alpaca_eval_keeps_the_reference_answer_as_an_assistant_turn(tmp_path):
     records = [{"dataset": "koala", "instruction": "Name a colour.", "output": "Blue."}]
     rows = load_fake(tmp_path, "alpaca_eval", "pkg/data/alpaca.json", json.dumps(records).encode())
-    expected = {"messages": [{"role": "user", "content": "Name a colour."}], "category": "koala"}
-    assert rows == [{**expected, "id": "0"}]
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    assert rows == [{"messages": messages, "category": "koala", "id": "0"}]
+    assert prompt_messages(rows[0]["messages"]) == messages[:1]  # what is regenerated/scored
 
 
 def test_arena_hard_reads_lines_with_unicode_separators(tmp_path):
@@ -205,8 +210,32 @@ def test_real_pool(name):
     assert len(rows) == REAL_COUNTS[name]
     assert len({r["id"] for r in rows}) == len(rows)
     for row in rows:
-        assert user_text(row).strip() and isinstance(row["category"], str) and row["category"]
+        prompt = prompt_messages(row["messages"])
+        assert [m["role"] for m in prompt] == ["user"] and prompt[0]["content"].strip()
+        assert isinstance(row["category"], str) and row["category"]
+    if name == "alpaca_eval":  # GPT-4's reference answers, for `responses: keep`
+        assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
     if name == "mtbench":
         assert len({r["category"] for r in rows}) == 8 and all(len(r["turns"]) == 2 for r in rows)
     if name == "humaneval":
         assert user_text(rows[0]).startswith("Complete the following Python function:\n```python")
+
+
+def test_python_functions_are_humaneval_shaped(tmp_path):
+    from specdec.data.prompts import humaneval_message, python_functions
+
+    doc = '    """Add one.\n\n    Twice documented.\n    """\n'
+    body = doc + "    y = x + 1\n    z = y\n    return z\n"
+    (tmp_path / "mod.py").write_text(
+        "import os\n\n\ndef inc(x):\n" + body + "\n\ndef bare(x):\n    y = 1\n    z = 2\n"
+        "    w = 3\n    return x\n\n\ndef short(x):\n    'Doc.'\n    return x\n\n\n"
+        "class C:\n    def method(self):\n" + body.replace("    ", "        ")
+    )  # fmt: skip
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "test_mod.py").write_text("def t(x):\n" + body)
+    (tmp_path / "broken.py").write_text("def (:\n")
+    rows = python_functions(tmp_path)
+    assert [r["id"] for r in rows] == ["mod.inc"]  # no docstring, too short, method, tests: out
+    user, answer = rows[0]["messages"]
+    assert user["content"] == humaneval_message("def inc(x):\n" + doc)
+    assert answer == {"role": "assistant", "content": "```python\ndef inc(x):\n" + body + "```"}

@@ -64,8 +64,16 @@ def test_reference_recipe_matches_its_brief():
     r = load_recipe(RECIPES / "smollm2-135m" / "draft_model.yaml")
     assert r.drafter.type == "draft_model" and 2 <= r.drafter.num_layers <= 4
     assert r.drafter.init_from_target and r.drafter.draft_vocab_size == 8192
-    assert sum(p.limit for p in r.data.prompts) == r.data.max_prompts
-    assert r.eval.k == 4
+    assert r.eval.k == 4 and r.eval.temperature == 0
+    # evaluation sources stay out of training, and slices of one source never overlap
+    assert not {p.source for p in r.data.prompts} & {p.source for p in r.eval.prompts}
+    spans = {}
+    for p in r.data.prompts:
+        end = float("inf") if p.limit is None else p.offset + p.limit
+        for start, stop in spans.get(p.source, []):
+            assert end <= start or p.offset >= stop, f"{p.source} slices overlap"
+        spans.setdefault(p.source, []).append((p.offset, end))
+    assert {p.responses for p in r.data.prompts} == {"regenerate", "keep"}
 
 
 def test_prompt_lookup_matches_the_reference_scoring():

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdec.config import load_recipe
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug" / "tiny.yaml"
@@ -164,6 +164,41 @@ def test_resume_after_sigkill_continues_identically(setup, tmp_path):
     got, expected = losses(run_dir), losses(tmp_path / "whole")
     assert [s for s, _ in got] == [s for s, _ in expected] == list(range(1, 13))
     assert [x for _, x in got] == pytest.approx([x for _, x in expected], rel=1e-6)
+
+
+def test_kept_responses_train_beside_regenerated_ones(setup, tmp_path):
+    """`responses: keep` rows are trained on as they are; only the others are regenerated."""
+    from specdec.data.build import build_data, load_training_data
+    from specdec.target import FrozenTarget
+
+    answers = ["Blue is a colour of the sea.", "Two plus two is four, always."]
+    kept = tmp_path / "kept.jsonl"
+    chats = [
+        [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        for q, a in zip(["Name a blue thing.", "Add two and two."], answers, strict=True)
+    ]
+    kept.write_text("\n".join(json.dumps({"messages": chat}) for chat in chats))
+    sources = (  # the kept file in two disjoint slices
+        f"[{{source: {setup / 'train.jsonl'}}}, {{source: {kept}, responses: keep, limit: 1}}, "
+        f"{{source: {kept}, responses: keep, offset: 1}}]"
+    )
+    extra = ["data.max_prompts=null", f"data.prompts={sources}"]
+    recipe = load_recipe(RECIPE, overrides(setup, tmp_path / "run", *extra))
+    target = FrozenTarget.from_config(recipe.target)
+    report = build_data(recipe, target, progress=False)
+    assert report.num_kept == 2 and report.regenerate["num_done"] == len(QUESTIONS)
+    dataset, _ = load_training_data(recipe, target.tokenizer)
+    assert len(dataset) == len(QUESTIONS) + 2
+    texts = [target.tokenizer.decode(ids) for ids in dataset["input_ids"]]
+    for answer in answers:
+        assert sum(answer in t for t in texts) == 1
+
+    no_answers = f"[{{source: {setup / 'train.jsonl'}, responses: keep}}]"
+    bad = load_recipe(RECIPE, overrides(setup, tmp_path / "bad") + [f"data.prompts={no_answers}"])
+    with pytest.raises(
+        DataError, match=r"data.prompts\[0\].responses: 'keep', but .* no assistant"
+    ):
+        build_data(bad, target, progress=False)
 
 
 def test_resume_with_another_recipe_is_refused(setup, tmp_path):

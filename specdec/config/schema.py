@@ -88,14 +88,23 @@ class PromptSource:
 
     source: str = _opt(
         help="A packaged name (alpaca_eval, arena_hard, ifeval, writingbench_en, mtbench, "
-        "humaneval), a local .jsonl/.json/.parquet file, or a hub dataset id."
+        "humaneval, python_functions), a local .jsonl/.json/.parquet file, or a hub dataset id."
     )
-    format: Literal["auto", "sharegpt", "messages", "prompt", "turns"] = _opt(
-        "auto", "Row shape; auto detects it from the first row."
+    format: Literal["auto", "openai", "sharegpt", "prompt", "mtbench"] = _opt(
+        "auto",
+        "Row shape: openai ('messages'), sharegpt ('conversations'), prompt (+ response), "
+        "mtbench ('turns'); auto detects it from the row's keys.",
     )
     split: str = _opt("train", "Split of a hub dataset.")
+    offset: int = _opt(0, "Skip this many rows first (disjoint slices of one source).", ge=0)
     limit: int | None = _opt(None, "Use at most this many rows of this source.", ge=1)
     category: str | None = _opt(None, "Keep only rows of this category.")
+    responses: Literal["regenerate", "keep"] = _opt(
+        "regenerate",
+        "regenerate: the target answers this source's prompts again (self-distillation); "
+        "keep: train on the rows' own assistant turns (no generation: much cheaper, the "
+        "drafter still learns the target's distribution from its logits on that text).",
+    )
 
 
 @dataclass
@@ -170,6 +179,11 @@ class EvalConfig:
     max_new_tokens: int = _opt(128, "Tokens generated per prompt.", ge=1)
     seed: int = _opt(0, "Sampling seed.")
     warmup_prompts: int = _opt(1, "Prompts run first and left out of timings.", ge=0)
+    draft_forward: Literal["auto", "transformers", "float32", "float16", "bfloat16"] = _opt(
+        "auto",
+        "How a draft model runs while decoding: auto is specdec's compact forward (float16 on "
+        "a CPU) where the architecture has one; transformers is the model's own forward.",
+    )
 
 
 @dataclass

@@ -32,17 +32,31 @@ class DataReport:
     regenerate: dict
     sft: dict
     loss_tokens: int
+    num_kept: int = 0  # rows of `responses: keep` sources, trained on as they are
 
 
 def gather_prompts(sources: list[PromptSource], cache_dir: str | None) -> list[dict]:
-    """Rows of every source, each with a unique ``id`` prefixed by its source."""
+    """Rows of every source, each with a unique ``id`` prefixed by its source and ``keep``
+    set when the source trains on its own responses (``responses: keep``).
+
+    Raises:
+        DataError: a ``responses: keep`` source whose rows have no assistant turn.
+    """
     rows = []
-    for src in sources:
+    for n, src in enumerate(sources):
         loaded = load_prompt_rows(src.source, fmt=src.format, split=src.split, cache=cache_dir)
         if src.category:
             loaded = [r for r in loaded if r.get("category") == src.category]
-        for i, row in enumerate(loaded[: src.limit]):
+        keep = src.responses == "keep"
+        if keep and not any(m["role"] == "assistant" for r in loaded for m in r["messages"]):
+            raise DataError(
+                f"data.prompts[{n}].responses: 'keep', but {src.source} has no assistant turns "
+                "to train on; use responses: regenerate"
+            )
+        end = None if src.limit is None else src.offset + src.limit
+        for i, row in enumerate(loaded[src.offset : end]):
             row["id"] = f"{Path(src.source).stem}:{row.get('id', i)}"
+            row["keep"] = keep
             rows.append(row)
     return rows
 
@@ -69,14 +83,15 @@ def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
     rows, removed = training_prompts(recipe)
     out = dataset_dir(recipe)
     gen = recipe.data.regenerate
-    if not gen.enabled:
-        dataset, sft = load_training_data(recipe, target.tokenizer)
-        loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
-        return DataReport(str(out), len(rows), removed, {}, sft.as_dict(), loss_tokens)
     prompts = [
         {"id": r["id"], "messages": prompt_messages(r["messages"]), "category": r.get("category")}
         for r in rows
+        if not r["keep"]
     ]
+    if not gen.enabled or not prompts:
+        dataset, sft = load_training_data(recipe, target.tokenizer)
+        loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
+        return DataReport(str(out), len(rows), removed, {}, sft.as_dict(), loss_tokens, len(rows))
     stats: RegenerateStats = regenerate(
         target.model,
         target.tokenizer,
@@ -94,7 +109,8 @@ def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
     )
     dataset, sft = load_training_data(recipe, target.tokenizer)
     loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
-    return DataReport(str(out), len(rows), removed, asdict(stats), sft.as_dict(), loss_tokens)
+    kept = len(rows) - len(prompts)
+    return DataReport(str(out), len(rows), removed, asdict(stats), sft.as_dict(), loss_tokens, kept)
 
 
 def dataset_dir(recipe: Recipe) -> Path:
@@ -103,13 +119,13 @@ def dataset_dir(recipe: Recipe) -> Path:
 
 def load_training_data(recipe: Recipe, tokenizer) -> tuple[Dataset, SFTStats]:
     """The training conversations, tokenized with assistant-only loss masks: the target's
-    regenerated answers, or with regeneration off the prompt rows' own responses."""
-    if recipe.data.regenerate.enabled:
-        source = dataset_dir(recipe)
-        rows = list(load_regenerated(source))
-    else:
-        source = ", ".join(p.source for p in recipe.data.prompts)
-        rows = training_prompts(recipe)[0]
+    regenerated answers and the rows of ``responses: keep`` sources, or with regeneration off
+    every row's own responses."""
+    rows = training_prompts(recipe)[0]
+    source = ", ".join(p.source for p in recipe.data.prompts)
+    if recipe.data.regenerate.enabled and not all(r["keep"] for r in rows):
+        source = f"{dataset_dir(recipe)} + kept responses of {source}"
+        rows = list(load_regenerated(dataset_dir(recipe))) + [r for r in rows if r["keep"]]
     return build_sft_dataset(
         rows,
         tokenizer,
@@ -136,12 +152,13 @@ def describe_report(report: DataReport) -> str:
     regen = report.regenerate
     if not regen:
         return (
-            f"prompts {report.num_prompts} with their own responses (regeneration off); "
+            f"prompts {report.num_prompts} with their own responses (no regeneration); "
             f"training rows {report.sft['kept']}, {report.loss_tokens} assistant tokens"
         )
     return (
-        f"prompts {report.num_prompts} (held-out removed: {report.num_heldout_removed}); "
-        f"regenerated {regen['num_done']} now, {regen['num_skipped']} reused from disk; "
+        f"prompts {report.num_prompts} (held-out removed: {report.num_heldout_removed}; "
+        f"{report.num_kept} keep their own responses); regenerated {regen['num_done']} now, "
+        f"{regen['num_skipped']} reused from disk; "
         f"{regen['new_tokens']} new tokens in {regen['seconds']:.1f} s "
         f"({regen['tokens_per_second']:.1f} tokens/s); {regen['truncated']} hit max_new_tokens\n"
         f"training rows {report.sft['kept']} (truncated {report.sft['truncated']}, dropped "

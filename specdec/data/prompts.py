@@ -4,7 +4,8 @@ Every loader returns rows ``{"messages": [...], "category": str, "id": str}`` (M
 also keep ``turns``). The packaged pools ship inside pinned PyPI wheels (see
 :mod:`specdec.assets`): AlpacaEval (Dubois et al. 2023), Arena-Hard v2 (Li et al. 2024),
 IFEval (Zhou et al. 2023), WritingBench (Wu et al. 2025, English queries), MT-bench (Zheng et
-al. 2023) and HumanEval (Chen et al. 2021). :func:`split_heldout` keeps evaluation prompts out of
+al. 2023) and HumanEval (Chen et al. 2021); ``python_functions`` reads HumanEval-shaped rows from
+the interpreter's own standard library. :func:`split_heldout` keeps evaluation prompts out of
 training data.
 """
 
@@ -64,10 +65,11 @@ def _user(text: str) -> list[dict]:
 
 
 def _alpaca_eval(records: list[dict]) -> list[dict]:
-    # "output" is the GPT-4 reference answer: a prompt pool keeps the instruction only.
+    # "output" is the GPT-4 reference answer: the prompt for regeneration and scoring, a
+    # response to train on with `responses: keep`
     return [
         {
-            "messages": _user(r["instruction"]),
+            "messages": _user(r["instruction"]) + [{"role": "assistant", "content": r["output"]}],
             "category": r.get("dataset", "alpaca_eval"),
             "id": str(i),
         }
@@ -142,6 +144,51 @@ def _humaneval(records: list[dict]) -> list[dict]:
         }
         for i, r in enumerate(records)
     ]
+
+
+def python_functions(root: str | os.PathLike | None = None) -> list[dict]:
+    """HumanEval-shaped rows from the running interpreter's standard library (no download).
+
+    Every top-level function with a docstring and 4 to 40 lines (tests and demos excluded)
+    becomes a row: the prompt is its signature and docstring wrapped as HumanEval stubs are
+    (:func:`humaneval_message`), the assistant turn the whole function in a fenced block. Rows
+    are ordered by a hash of their id, so any first N of them spread over the library.
+    """
+    import ast
+    import hashlib
+    import sysconfig
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo"}
+    rows = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in skip or part.startswith("test") for part in rel.parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        module = ".".join(rel.with_suffix("").parts)
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not ast.get_docstring(node):
+                continue
+            if not 4 <= node.end_lineno - node.lineno <= 40:
+                continue
+            function = "".join(lines[node.lineno - 1 : node.end_lineno])
+            stub = "".join(lines[node.lineno - 1 : node.body[0].end_lineno])
+            rows.append(
+                {
+                    "messages": _user(humaneval_message(stub))
+                    + [{"role": "assistant", "content": f"```python\n{function}```"}],
+                    "category": "python",
+                    "id": f"{module}.{node.name}",
+                }
+            )
+    rows.sort(key=lambda r: hashlib.sha1(r["id"].encode()).hexdigest())
+    return rows
 
 
 @dataclass(frozen=True)
@@ -228,8 +275,8 @@ def load_prompt_rows(
     Raises:
         DataError: a missing file, a malformed row (named), or no usable row.
     """
-    if source in PACKAGED:
-        rows = PACKAGED[source].load(cache)
+    if source in PACKAGED or source == "python_functions":
+        rows = python_functions() if source == "python_functions" else PACKAGED[source].load(cache)
         return rows[:limit] if limit is not None else rows
     if _is_local(source):
         path = Path(source).expanduser()

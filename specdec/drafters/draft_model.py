@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.decoding import compact
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
 from specdec.decoding.session import ModelSession
 from specdec.drafters.base import Drafter, Proposal
@@ -43,6 +44,11 @@ from specdec.files import atomic_dir
 
 logger = logging.getLogger(__name__)
 
+#: how the draft runs while decoding: ``auto`` (the compact forward in its default dtype where
+#: the architecture allows, else transformers), ``transformers`` (the model's own forward), or
+#: the compact forward in a given dtype
+DRAFT_FORWARDS = ("auto", "transformers", "float32", "float16", "bfloat16")
+
 
 class DraftModelDrafter(Drafter):
     """Drafts with a small causal LM that reads target token ids.
@@ -53,6 +59,7 @@ class DraftModelDrafter(Drafter):
         vocab_map: ``[D]`` target ids of the draft's D output logits, or None when the draft
             predicts the full target vocabulary.
         tokenizer: the target's tokenizer, saved beside the weights by :meth:`save`.
+        forward: one of :data:`DRAFT_FORWARDS` (see :meth:`use_forward`).
     """
 
     name = "draft_model"
@@ -63,9 +70,11 @@ class DraftModelDrafter(Drafter):
         target_vocab_size: int,
         vocab_map: torch.Tensor | None = None,
         tokenizer=None,
+        forward: str = "auto",
     ):
         self.model = model.eval()
-        self.session = ModelSession(self.model)
+        self.forward = forward
+        self.session = self._new_session()
         self.target_vocab_size = target_vocab_size
         self.vocab_map = None if vocab_map is None else vocab_map.to(self.session.device)
         self.tokenizer = tokenizer
@@ -151,12 +160,40 @@ class DraftModelDrafter(Drafter):
 
     # ------------------------------------------------------------------------ decoding face
 
+    def use_forward(self, forward: str) -> None:
+        """Choose how the draft runs while decoding (one of :data:`DRAFT_FORWARDS`).
+
+        The compact forward (:mod:`specdec.decoding.compact`) computes what the model computes
+        from a copy of its weights, by default in float16 on a CPU, where a draft step is bound
+        by reading the weights; the distributions it reports are the ones it sampled from, so
+        decoding stays exact whatever the dtype.
+
+        Raises:
+            ConfigError: an unknown choice, or a dtype for an architecture without the compact
+                forward.
+        """
+        if forward not in DRAFT_FORWARDS:
+            raise ConfigError(f"draft forward: expected one of {DRAFT_FORWARDS}, got {forward!r}")
+        if forward not in ("auto", "transformers") and not compact.supports(self.model):
+            raise ConfigError(
+                f"draft forward {forward!r}: {type(self.model).__name__} has no compact forward "
+                f"(supported: {', '.join(compact.COMPACT_MODEL_TYPES)}); use 'transformers'"
+            )
+        seconds = self.session.forward_seconds
+        self.forward = forward
+        self.session = self._new_session()
+        self.session.forward_seconds = seconds
+
+    def _new_session(self) -> ModelSession:
+        if self.forward == "transformers" or not compact.supports(self.model):
+            return ModelSession(self.model)
+        dtype = None if self.forward == "auto" else getattr(torch, self.forward)
+        return compact.CompactSession(self.model, dtype=dtype)
+
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         device = next(self.model.parameters()).device
         if device != self.session.device:  # moved since (e.g. by the trainer): follow it
-            seconds = self.session.forward_seconds
-            self.session = ModelSession(self.model)
-            self.session.forward_seconds = seconds
+            self.use_forward(self.forward)
         if self.vocab_map is not None:
             self.vocab_map = self.vocab_map.to(device)
         self.session.reset()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.data.chat import prompt_messages
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import Generation, cheapest_verify_lengths, generate
@@ -41,6 +42,8 @@ class ScoreSettings:
     warmup_prompts: int = 1
     #: pad short drafts up to the cheapest verify length of the measured cost profile
     shape_verify: bool = True
+    #: how a draft model runs (``DRAFT_FORWARDS``): auto is the compact float16 forward on a CPU
+    draft_forward: str = "auto"
 
     def check(self) -> None:
         if self.k < 1:
@@ -106,9 +109,11 @@ def score(
     """
     settings.check()
     params = settings.params
+    if hasattr(drafter, "use_forward"):
+        drafter.use_forward(settings.draft_forward)
     eos = eos_token_ids(model, tokenizer)
     target = ModelSession(model, hidden_layers=drafter.required_target_layers)
-    encoded = [encode_prompt(tokenizer, row["messages"]) for row in prompts]
+    encoded = [encode_prompt(tokenizer, prompt_messages(row["messages"])) for row in prompts]
     warm = min(settings.warmup_prompts, max(len(encoded) - 1, 0))
     device = target.device
 

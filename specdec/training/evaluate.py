@@ -34,6 +34,7 @@ def score_checkpoint(model, drafter, target, recipe: Recipe, step: int) -> dict:
         top_p=ev.top_p,
         seed=ev.seed,
         warmup_prompts=ev.warmup_prompts,
+        draft_forward=ev.draft_forward,
     )
     sources = tuple(p.source for p in ev.prompts)
     rows = load_prompts(sources, ev.num_prompts + ev.warmup_prompts, recipe.target.cache_dir)

@@ -1,0 +1,212 @@
+"""A lean decoding forward for small Llama-family models: the drafter's inner loop.
+
+A draft step of a small model is dominated by per-call framework work, not arithmetic: on two
+CPU cores a 2-layer SmolLM2-sized draft spends most of its ~6 ms in module dispatch, mask
+construction and cache bookkeeping. :class:`CompactSession` runs the same computation (RMSNorm,
+rotary embedding, grouped-query attention, gated MLP, LM head) straight from the model's own
+weights with a preallocated KV cache, so rolling back is moving an index. It reads the weights
+on every call, so it follows a model that is still being trained.
+
+Only architectures whose decoder layer is exactly that computation are accepted
+(:func:`supports`); anything else keeps the general :class:`ModelSession`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.decoding.session import ModelSession
+
+#: model types whose decoder layer is pre-norm attention + gated MLP with standard rotary
+#: embeddings (Qwen3 adds a per-head RMSNorm on queries and keys)
+COMPACT_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def supports(model) -> bool:
+    """Whether :class:`CompactSession` computes exactly what ``model`` computes."""
+    config = model.config.get_text_config()
+    if config.model_type not in COMPACT_MODEL_TYPES or config.hidden_act != "silu":
+        return False
+    if getattr(config, "use_sliding_window", False) or getattr(config, "pretraining_tp", 1) > 1:
+        return False
+    decoder = getattr(model, "model", None)
+    return all(hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+
+def default_dtype(model) -> torch.dtype:
+    """float16 on a CPU (a draft step there is bound by reading the weights, and float16 halves
+    them), the model's own dtype elsewhere."""
+    weight = model.get_input_embeddings().weight
+    return torch.float16 if weight.device.type == "cpu" else weight.dtype
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights in the session's dtype."""
+
+    norm1: torch.Tensor
+    q: tuple
+    k: tuple
+    v: tuple
+    o: tuple
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    norm2: torch.Tensor
+    gate: tuple
+    up: tuple
+    down: tuple
+
+
+class CompactSession(ModelSession):
+    """A :class:`ModelSession` (batch size 1) with the lean forward; same interface.
+
+    Args:
+        model: a supported causal LM (see :func:`supports`).
+        dtype: the dtype of the session's copy of the weights and of its computation
+            (default: :func:`default_dtype`); logits are returned in float32. The copy is
+            refreshed whenever the model's parameters change in place (an optimizer step).
+        timed: accumulate forward seconds, as in :class:`ModelSession`.
+        capacity: initial KV-cache length; it doubles when exceeded.
+    """
+
+    def __init__(
+        self, model, dtype: torch.dtype | None = None, timed: bool = True, capacity: int = 1024
+    ):
+        if not supports(model):
+            raise ValueError(f"{type(model).__name__} is not a supported Llama-family model")
+        config = model.config.get_text_config()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.dtype = dtype or default_dtype(model)
+        self.capacity = capacity
+        self._packed_version: int | None = None
+        super().__init__(model, timed=timed)
+
+    def reset(self) -> None:
+        self._ids, self._pending, self.length, self.hidden = [], [], 0, {}
+        self._pack()
+        shape = (len(self.layers), 2, self.num_kv_heads, self.capacity, self.head_dim)
+        self.kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+        positions = torch.arange(self.capacity, device=self.device).unsqueeze(0)
+        probe = self.model.get_input_embeddings().weight[:1].unsqueeze(0)
+        cos, sin = self.model.model.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [capacity, head_dim]
+
+    @torch.no_grad()
+    def _pack(self) -> None:
+        """(Re)build the session's weights when the model's parameters have changed."""
+        version = sum(p._version for p in self.model.parameters())
+        if version == self._packed_version:
+            return
+        dt = self.dtype
+
+        def linear(module) -> tuple:
+            bias = None if module.bias is None else module.bias.detach().to(dt)
+            return module.weight.detach().to(dt), bias
+
+        def norm(module) -> torch.Tensor | None:
+            return None if module is None else module.weight.detach().to(dt)
+
+        self.layers = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                _Layer(
+                    norm(layer.input_layernorm),
+                    *(linear(getattr(attn, f"{n}_proj")) for n in "qkvo"),
+                    norm(getattr(attn, "q_norm", None)),
+                    norm(getattr(attn, "k_norm", None)),
+                    norm(layer.post_attention_layernorm),
+                    *(linear(getattr(mlp, f"{n}_proj")) for n in ("gate", "up", "down")),
+                )
+            )
+        self.final_norm = norm(self.model.model.norm)
+        self.head = linear(self.model.get_output_embeddings())
+        self.scaling = self.model.model.layers[0].self_attn.scaling
+        self._packed_version = version
+
+    def _grow(self, needed: int) -> None:
+        kv, length, ids, pending = self.kv, self.length, self._ids, self._pending
+        self.capacity = max(needed, 2 * self.capacity)
+        self.reset()
+        self._ids, self._pending, self.length = ids, pending, length
+        self.kv[:, :, :, :length] = kv[:, :, :, :length]
+
+    @torch.inference_mode()
+    def extend(self, tokens: Sequence[int] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        if isinstance(tokens, torch.Tensor):
+            input_ids = tokens.to(self.device, torch.long).view(-1)
+            self._pending.append(input_ids)
+        else:
+            input_ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+            self.ids.extend(tokens)
+        m, start = input_ids.shape[0], self.length
+        if start + m > self.capacity:
+            self._grow(start + m)
+        self.length = start + m
+        t0 = self.clock() if self.timed else 0.0
+        self._pack()
+        x = self._forward(input_ids, start)
+        if last_only:
+            x = x[-1:]
+        logits = F.linear(x, *self.head).float()
+        if self.timed:
+            self.forward_seconds += self.clock() - t0
+        self.forward_calls += 1
+        return logits
+
+    def _forward(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Hidden states ``[m, H]`` after the final norm for ``input_ids`` at ``start``."""
+        m, end = input_ids.shape[0], start + input_ids.shape[0]
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        mask = None
+        if m > 1:  # causal among the new tokens, everything cached is visible
+            mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start)
+        x = self.model.get_input_embeddings()(input_ids).to(self.dtype)
+        for layer, cache in zip(self.layers, self.kv, strict=True):
+            h = self._norm(x, layer.norm1)
+            q = F.linear(h, *layer.q).view(m, self.num_heads, self.head_dim)
+            k = F.linear(h, *layer.k).view(m, self.num_kv_heads, self.head_dim)
+            v = F.linear(h, *layer.v).view(m, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:  # Qwen3: per-head norm before the rotation
+                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            cache[0, :, start:end] = k.transpose(0, 1)
+            cache[1, :, start:end] = v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                cache[0, :, :end],
+                cache[1, :, :end],
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            x = x + F.linear(out.transpose(0, 1).reshape(m, -1), *layer.o)
+            h = self._norm(x, layer.norm2)
+            x = x + F.linear(F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up), *layer.down)
+        return self._norm(x, self.final_norm)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm: normalised in float32, scaled by the weight."""
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * y.to(x.dtype)
+
+    def rollback(self, length: int) -> None:
+        if length < self.length:
+            del self.ids[length:]
+            self.length = length  # the buffers past it are overwritten by the next extend
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[m, heads, head_dim]`` (halves rotated, as in Llama)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
