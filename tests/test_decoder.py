@@ -55,7 +55,7 @@ def drafters(model, vocab):
         else (tiny_models.tiny_qwen2(seed=7))
     )
     return {
-        "perfect": DraftModelDrafter(model, vocab),
+        "perfect": DraftModelDrafter(model, vocab, forward="transformers"),  # same numbers
         "random": DraftModelDrafter(other, vocab),
         "in_between": DraftModelDrafter(truncated(model, 1), vocab),
         "prompt_lookup": PromptLookupDrafter(),
@@ -88,7 +88,7 @@ def test_perfect_draft_tau_is_k_plus_one(tiny_llama):
     got = generate(
         ModelSession(model),
         prompt,
-        drafter=DraftModelDrafter(model, model.config.vocab_size),
+        drafter=DraftModelDrafter(model, model.config.vocab_size, forward="transformers"),
         k=k,
         max_new_tokens=1 + rounds * (k + 1),
     )

@@ -46,7 +46,7 @@ def test_greedy_identical_on_smollm2(smollm2, cases, kind, k):
     model = smollm2.model
     vocab = model.config.vocab_size
     drafter = {
-        "perfect": lambda: DraftModelDrafter(model, vocab),
+        "perfect": lambda: DraftModelDrafter(model, vocab, forward="transformers"),
         "useless": lambda: DraftModelDrafter(useless(model), vocab),
         "in_between": lambda: DraftModelDrafter(truncated(model, 4), vocab),
         "prompt_lookup": PromptLookupDrafter,

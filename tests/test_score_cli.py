@@ -74,7 +74,12 @@ def test_prompt_lookup_scores_and_writes_report(tiny_llama_dir, prompt_file, tmp
     assert "tau" in capsys.readouterr().out
 
 
-def test_draft_model_perfect_draft_scores_tau_k_plus_one(tiny_llama_dir, prompt_file, tmp_path):
+@pytest.mark.parametrize("forward", ["transformers", "float32"])
+def test_draft_model_perfect_draft_scores_tau_k_plus_one(
+    tiny_llama_dir, prompt_file, tmp_path, forward
+):
+    """The target as its own draft accepts everything, through transformers' forward and
+    through the compact one (float32: the same numbers up to rounding)."""
     out = tmp_path / "score.json"
     code = score(
         "--draft-model",
@@ -89,6 +94,8 @@ def test_draft_model_perfect_draft_scores_tau_k_plus_one(tiny_llama_dir, prompt_
         9,
         "--k",
         3,
+        "--draft-forward",
+        forward,
         "--out",
         out,
     )
@@ -96,6 +103,7 @@ def test_draft_model_perfect_draft_scores_tau_k_plus_one(tiny_llama_dir, prompt_
     result = json.loads(out.read_text())
     assert result["accept_rate_per_position"] == [1.0, 1.0, 1.0]
     assert result["greedy_match_rate"] == 1.0
+    assert result["settings"]["draft_forward"] == forward
 
 
 def one_line_error(capsys, *args) -> str:
