@@ -104,7 +104,7 @@ def test_unsupported_architecture_keeps_the_transformers_forward():
     with pytest.raises(ConfigError, match="no compact forward"):
         drafter.use_forward("float16")
     with pytest.raises(ConfigError, match="expected one of"):
-        DraftModelDrafter(_model("llama"), 97).use_forward("int4")
+        DraftModelDrafter(_model("llama"), 97, forward="int4")
 
 
 @pytest.mark.parametrize("forward", ["auto", "float32", "bfloat16", "transformers"])

@@ -73,8 +73,8 @@ class DraftModelDrafter(Drafter):
         forward: str = "auto",
     ):
         self.model = model.eval()
-        self.forward = forward
-        self.session = self._new_session()
+        self.session: ModelSession | None = None
+        self.use_forward(forward)
         self.target_vocab_size = target_vocab_size
         self.vocab_map = None if vocab_map is None else vocab_map.to(self.session.device)
         self.tokenizer = tokenizer
@@ -179,7 +179,7 @@ class DraftModelDrafter(Drafter):
                 f"draft forward {forward!r}: {type(self.model).__name__} has no compact forward "
                 f"(supported: {', '.join(compact.COMPACT_MODEL_TYPES)}); use 'transformers'"
             )
-        seconds = self.session.forward_seconds
+        seconds = self.session.forward_seconds if self.session is not None else 0.0
         self.forward = forward
         self.session = self._new_session()
         self.session.forward_seconds = seconds
