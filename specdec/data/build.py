@@ -89,7 +89,7 @@ def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
         if not r["keep"]
     ]
     if not gen.enabled or not prompts:
-        dataset, sft = load_training_data(recipe, target.tokenizer)
+        dataset, sft = load_training_data(recipe, target.tokenizer, rows)
         loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
         return DataReport(str(out), len(rows), removed, {}, sft.as_dict(), loss_tokens, len(rows))
     stats: RegenerateStats = regenerate(
@@ -107,7 +107,7 @@ def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
         max_prompt_length=recipe.data.max_length,
         progress=progress,
     )
-    dataset, sft = load_training_data(recipe, target.tokenizer)
+    dataset, sft = load_training_data(recipe, target.tokenizer, rows)
     loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
     kept = len(rows) - len(prompts)
     return DataReport(str(out), len(rows), removed, asdict(stats), sft.as_dict(), loss_tokens, kept)
@@ -117,11 +117,14 @@ def dataset_dir(recipe: Recipe) -> Path:
     return Path(recipe.data.dataset_dir or recipe.run_dir / "data")
 
 
-def load_training_data(recipe: Recipe, tokenizer) -> tuple[Dataset, SFTStats]:
+def load_training_data(
+    recipe: Recipe, tokenizer, rows: list[dict] | None = None
+) -> tuple[Dataset, SFTStats]:
     """The training conversations, tokenized with assistant-only loss masks: the target's
     regenerated answers and the rows of ``responses: keep`` sources, or with regeneration off
-    every row's own responses."""
-    rows = training_prompts(recipe)[0]
+    every row's own responses. ``rows``: the recipe's :func:`training_prompts`, when the
+    caller has them already."""
+    rows = training_prompts(recipe)[0] if rows is None else rows
     source = ", ".join(p.source for p in recipe.data.prompts)
     if recipe.data.regenerate.enabled and not all(r["keep"] for r in rows):
         source = f"{dataset_dir(recipe)} + kept responses of {source}"

@@ -68,7 +68,8 @@ class CompactSession(ModelSession):
         model: a supported causal LM (see :func:`supports`).
         dtype: the dtype of the session's copy of the weights and of its computation
             (default: :func:`default_dtype`); logits are returned in float32. The copy is
-            refreshed whenever the model's parameters change in place (an optimizer step).
+            refreshed by :meth:`reset` (a new sequence) when the model's parameters have
+            changed in place since (an optimizer step).
         timed: accumulate forward seconds, as in :class:`ModelSession`.
         capacity: initial KV-cache length; it doubles when exceeded.
     """
@@ -151,7 +152,6 @@ class CompactSession(ModelSession):
             self._grow(start + m)
         self.length = start + m
         t0 = self.clock() if self.timed else 0.0
-        self._pack()
         x = self._forward(input_ids, start)
         if last_only:
             x = x[-1:]
