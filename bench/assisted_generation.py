@@ -2,9 +2,11 @@
 
 Same target, same draft model, same greedy prompts, same k; every method decodes every prompt
 (interleaved, after one warm-up prompt) and the ratios of total tokens/s are printed. Output
-identity with plain greedy decoding is checked for each method. specdec's draft model runs
-twice: through the model's own transformers forward, and through the compact forward that
-specdec uses by default (float16 on a CPU). Not a test: a measurement.
+identity with plain greedy decoding is checked for each method. specdec runs its target through
+transformers' forward (as transformers' own methods do) and through its compact forward (its
+default, see ``bench/compact_forward.py``), so each speculative ratio has its own plain
+baseline beside it. The draft runs through its transformers forward or the compact one
+(float16 on a CPU), with all k tokens or with a confidence stop. Not a test: a measurement.
 
     python bench/assisted_generation.py                         # draft: target's first 4 layers
     python bench/assisted_generation.py --draft-model runs/NAME/export/hf --k 4
@@ -19,6 +21,7 @@ import time
 import torch
 
 from specdec.data.chat import prompt_messages
+from specdec.decoding.compact import target_session
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
 from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--prompts", default="mtbench,humaneval")
+    parser.add_argument("--confidence", type=float, default=0.4, help="draft confidence stop")
     args = parser.parse_args()
 
     target = FrozenTarget.load(args.target)
@@ -59,7 +63,7 @@ def main() -> None:
     rows = load_prompts(tuple(args.prompts.split(",")), args.num_prompts + 1)
     prompts = [encode_prompt(tokenizer, prompt_messages(r["messages"])) for r in rows]
     vocab = model.config.vocab_size
-    session = ModelSession(model)
+    slow, fast = ModelSession(model), target_session(model)
     n = args.max_new_tokens
 
     def hf(ids, **kw):
@@ -75,16 +79,17 @@ def main() -> None:
         )
         return out[0, len(ids) :].tolist()
 
-    def ours(ids, drafter):
+    def ours(ids, drafter, session):
         return generate(
             session, ids, drafter=drafter, k=args.k, max_new_tokens=n, eos_token_ids=eos
         ).tokens
 
     hf_forward = DraftModelDrafter(draft, vocab, forward="transformers")
     compact = DraftModelDrafter(draft, vocab)  # the default: compact forward (float16 on CPU)
+    confident = DraftModelDrafter(draft, vocab, confidence=args.confidence)
+    lookup = PromptLookupDrafter()
     methods = {
         "hf generate (plain)": lambda ids: hf(ids),
-        "specdec plain": lambda ids: ours(ids, None),
         "hf assisted (draft model)": lambda ids: hf(
             ids,
             assistant_model=draft,
@@ -92,10 +97,15 @@ def main() -> None:
             num_assistant_tokens_schedule="constant",
             assistant_confidence_threshold=0.0,
         ),
-        "specdec draft (hf forward)": lambda ids: ours(ids, hf_forward),
-        "specdec draft model": lambda ids: ours(ids, compact),
         "hf prompt lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=args.k),
-        "specdec prompt lookup": lambda ids: ours(ids, PromptLookupDrafter()),
+        "specdec plain, hf target": lambda ids: ours(ids, None, slow),
+        "  draft, hf forward": lambda ids: ours(ids, hf_forward, slow),
+        "  draft, compact": lambda ids: ours(ids, compact, slow),
+        "  prompt lookup": lambda ids: ours(ids, lookup, slow),
+        "specdec plain, compact": lambda ids: ours(ids, None, fast),
+        "  draft, compact ": lambda ids: ours(ids, compact, fast),
+        f"  draft, confidence {args.confidence}": lambda ids: ours(ids, confident, fast),
+        "  prompt lookup ": lambda ids: ours(ids, lookup, fast),
     }
     seconds = dict.fromkeys(methods, 0.0)
     tokens = dict.fromkeys(methods, 0)
@@ -118,10 +128,16 @@ def main() -> None:
         f", k={args.k}, {len(prompts) - 1} prompts x {n} tokens, threads "
         f"{torch.get_num_threads()}"
     )
-    print(f"{'method':<28}{'tokens/s':>10}{'vs hf plain':>13}{'identical':>11}")
+    print(f"{'method':<28}{'tokens/s':>10}{'vs hf plain':>13}{'vs its plain':>14}{'identical':>11}")
+    plain = base
     for name in methods:
         tps = tokens[name] / seconds[name]
-        print(f"{name:<28}{tps:>10.2f}{tps / base:>12.2f}x{same[name]:>8}/{len(prompts) - 1}")
+        if "plain" in name:
+            plain = tps
+        print(
+            f"{name:<28}{tps:>10.2f}{tps / base:>12.2f}x{tps / plain:>13.2f}x"
+            f"{same[name]:>8}/{len(prompts) - 1}"
+        )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ SCORE_DEFAULTS = {
     "target": None, "prompts": "mtbench,humaneval", "num_prompts": 8, "warmup": 1, "k": 4,
     "temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 128, "max_ngram": 3,
     "seed": 0, "dtype": "float32", "cache_dir": None, "draft_forward": "auto",
+    "draft_confidence": 0.0, "target_forward": "auto",
 }  # fmt: skip
 
 
@@ -59,6 +60,8 @@ def _score(args: argparse.Namespace) -> None:
         warmup_prompts=v["warmup"],
         shape_verify=not args.exact_verify_length,
         draft_forward=v["draft_forward"],
+        draft_confidence=v["draft_confidence"],
+        target_forward=v["target_forward"],
     )
     result = run_scoring(job, settings)
     print(table(result))
@@ -77,7 +80,8 @@ def _recipe_score_values(path: str, overrides: list[str]) -> tuple[dict, str]:
         "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p,
         "max_new_tokens": ev.max_new_tokens, "seed": ev.seed, "dtype": recipe.target.dtype,
         "cache_dir": recipe.target.cache_dir, "max_ngram": recipe.drafter.max_ngram,
-        "draft_forward": ev.draft_forward,
+        "draft_forward": ev.draft_forward, "draft_confidence": ev.draft_confidence,
+        "target_forward": ev.target_forward,
     }  # fmt: skip
     return values, recipe.drafter.type
 
@@ -182,6 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "transformers", "float32", "float16", "bfloat16"],
         help="how a draft model runs: auto (default) is specdec's compact forward, in float16 "
         "on a CPU, where the architecture has one; transformers is the model's own forward",
+    )
+    s.add_argument(
+        "--draft-confidence",
+        type=float,
+        help="a draft model stops drafting once its probability of its chain so far falls below "
+        "this (default 0: always k tokens); the output stays exact",
+    )
+    s.add_argument(
+        "--target-forward",
+        choices=["auto", "compact", "transformers"],
+        help="how the target runs, for plain and speculative decoding alike: auto (default) is "
+        "specdec's compact forward in the target's dtype where the architecture has one",
     )
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")

@@ -127,3 +127,58 @@ def test_greedy_decoding_with_a_compact_draft_is_the_targets_output(forward):
         params=SamplingParams(), eos_token_ids=(),
     )  # fmt: skip
     assert out.tokens == plain
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_transposed_linear_is_linear(rows):
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(rows, 24), torch.randn(40, 24), torch.randn(40)
+    out = compact._linear_transposed(x, weight, bias)
+    assert out.shape == (rows, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+    torch.testing.assert_close(
+        compact._linear_transposed(x.view(1, rows, 24), weight),
+        torch.nn.functional.linear(x, weight).view(1, rows, 40),
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_target_session_is_compact_in_the_targets_dtype_with_its_hidden_layers(family):
+    model = _model(family)
+    layers = (0, 1)  # 1 is the last: after the final norm, as transformers returns it
+    fast = compact.target_session(model, "auto", hidden_layers=layers)
+    assert isinstance(fast, compact.CompactSession) and fast.dtype == torch.float32
+    assert fast.linear is compact._linear_transposed  # float32 on a CPU
+    ref = compact.target_session(model, "transformers", hidden_layers=layers)
+    assert type(ref) is ModelSession
+    for tokens in ([3, 14, 15, 92, 65], [35], [89, 79]):
+        torch.testing.assert_close(fast.extend(tokens), ref.extend(tokens), atol=1e-5, rtol=1e-4)
+        assert fast.hidden.keys() == ref.hidden.keys() == set(layers)
+        for i in layers:
+            torch.testing.assert_close(fast.hidden[i], ref.hidden[i], atol=1e-5, rtol=1e-4)
+
+
+def test_target_session_choices():
+    torch.manual_seed(0)
+    gemma = GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=16)).eval()
+    assert type(compact.target_session(gemma, "auto")) is ModelSession
+    with pytest.raises(ConfigError, match="target forward 'compact'.*no compact forward"):
+        compact.target_session(gemma, "compact")
+    with pytest.raises(ConfigError, match="target forward: expected one of"):
+        compact.target_session(_model("llama"), "fast")
+
+
+def test_greedy_decoding_with_a_compact_target_is_the_targets_output():
+    """Plain and speculative decoding through the compact target reproduce generate()."""
+    target, draft = _model("llama"), _model("llama")
+    draft.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
+    draft.lm_head.load_state_dict(target.lm_head.state_dict())
+    prompt = [5, 17, 33, 2, 41]
+    plain = target.generate(
+        torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt):].tolist()  # fmt: skip
+    session = compact.target_session(target)
+    assert generate(session, prompt, max_new_tokens=24).tokens == plain
+    drafter = DraftModelDrafter(draft, target_vocab_size=97, confidence=0.2)
+    assert generate(session, prompt, drafter=drafter, k=4, max_new_tokens=24).tokens == plain

@@ -192,6 +192,7 @@ def test_local_paths_are_not_checked(write):
         ("train.lr=0", "expected > 0, got 0.0"),
         ("train.lr=.nan", "expected > 0, got nan"),
         ("eval.k=0", "expected >= 1, got 0"),
+        ("eval.draft_confidence=1.0", "expected < 1, got 1.0"),
         ("eval.top_p=0", "expected > 0, got 0.0"),
         ("eval.top_p=1.5", "expected <= 1, got 1.5"),
         ("eval.temperature=-0.1", "expected >= 0, got -0.1"),
@@ -393,7 +394,9 @@ def test_literal_choices_match_the_modules_that_read_them():
 
     from specdec.config import EvalConfig, PromptSource
     from specdec.data.chat import FORMATS
+    from specdec.decoding.compact import TARGET_FORWARDS
     from specdec.drafters.draft_model import DRAFT_FORWARDS
 
     assert get_args(get_type_hints(PromptSource)["format"]) == FORMATS
     assert get_args(get_type_hints(EvalConfig)["draft_forward"]) == DRAFT_FORWARDS
+    assert get_args(get_type_hints(EvalConfig)["target_forward"]) == TARGET_FORWARDS

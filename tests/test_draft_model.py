@@ -230,3 +230,43 @@ def test_from_checkpoint_refuses_other_checkpoints(llama, tmp_path):
         DraftModelDrafter.from_checkpoint(str(tmp_path), llama)
     with pytest.raises(ModelError, match="not a specdec checkpoint"):
         DraftModelDrafter.from_checkpoint(str(tmp_path / "nothing"), llama)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_confidence_stops_the_draft_early_and_keeps_a_prefix(target, temperature):
+    """A confident-draft threshold only shortens the proposal: the tokens and the q they were
+    sampled from are a prefix of what the same draft proposes without it."""
+    cfg = DrafterConfig(num_layers=1, draft_vocab_size=D)
+    drafter = build_draft_model(target, cfg, token_counts(target))
+    params = SamplingParams(temperature=temperature)
+    sequence = target.tokenizer("The quick brown fox").input_ids
+    lengths = []
+    for confidence in (0.0, 0.5, 0.999):
+        drafter.confidence = confidence
+        drafter.begin(sequence)
+        gen = torch.Generator().manual_seed(3)
+        proposal = drafter.propose(sequence, 6, params, gen)
+        if confidence == 0.0:
+            full = proposal
+        n = len(proposal.tokens)
+        lengths.append(n)
+        assert n >= 1 and torch.equal(proposal.tokens, full.tokens[:n])
+        if temperature:  # it stops right after the first token that takes the chain below
+            torch.testing.assert_close(proposal.probs, full.probs[:n])
+            chain = torch.cumprod(full.probs[torch.arange(6), full.tokens], 0)
+            below = (chain < confidence).nonzero()
+            assert n == (int(below[0]) + 1 if len(below) else 6)
+    assert lengths[0] == 6 and lengths[2] < 6 and lengths == sorted(lengths, reverse=True)
+
+
+def test_greedy_decoding_with_a_confident_draft_is_exact(target):
+    cfg = DrafterConfig(num_layers=1, draft_vocab_size=D)
+    drafter = build_draft_model(target, cfg, token_counts(target))
+    drafter.confidence = 0.3
+    session = ModelSession(target.model)
+    prompt = target.tokenizer("The quick brown fox").input_ids
+    plain = generate(session, prompt, max_new_tokens=24).tokens
+    drafted = generate(session, prompt, drafter=drafter, k=4, max_new_tokens=24)
+    assert drafted.tokens == plain
+    rounds = drafted.drafted[:-1]  # the last round may have no room left to draft
+    assert min(rounds) >= 1 and max(rounds) <= 4 and min(rounds) < 4

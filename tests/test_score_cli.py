@@ -74,9 +74,11 @@ def test_prompt_lookup_scores_and_writes_report(tiny_llama_dir, prompt_file, tmp
     assert "tau" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("forward", ["transformers", "float32"])
+@pytest.mark.parametrize(
+    ("forward", "target_forward"), [("transformers", "transformers"), ("float32", "compact")]
+)
 def test_draft_model_perfect_draft_scores_tau_k_plus_one(
-    tiny_llama_dir, prompt_file, tmp_path, forward
+    tiny_llama_dir, prompt_file, tmp_path, forward, target_forward
 ):
     """The target as its own draft accepts everything, through transformers' forward and
     through the compact one (float32: the same numbers up to rounding)."""
@@ -96,6 +98,8 @@ def test_draft_model_perfect_draft_scores_tau_k_plus_one(
         3,
         "--draft-forward",
         forward,
+        "--target-forward",
+        target_forward,
         "--out",
         out,
     )
@@ -104,6 +108,7 @@ def test_draft_model_perfect_draft_scores_tau_k_plus_one(
     assert result["accept_rate_per_position"] == [1.0, 1.0, 1.0]
     assert result["greedy_match_rate"] == 1.0
     assert result["settings"]["draft_forward"] == forward
+    assert result["settings"]["target_forward"] == target_forward
 
 
 def one_line_error(capsys, *args) -> str:

@@ -26,8 +26,8 @@ ACCELERATE_DIR = "accelerate"
 def _opt(default: Any = MISSING, help: str = "", **rules: Any) -> Any:
     """A dataclass field with help text and optional ``rules`` checked on load.
 
-    Rules: ``ge``, ``gt``, ``le`` bound a number; ``choices`` lists the allowed strings (for a
-    list, each item; for a dict, each key). Mutable defaults become factories.
+    Rules: ``ge``, ``gt``, ``le``, ``lt`` bound a number; ``choices`` lists the allowed strings
+    (for a list, each item; for a dict, each key). Mutable defaults become factories.
     """
     metadata = {"help": help, **rules}
     if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
@@ -183,6 +183,18 @@ class EvalConfig:
         "auto",
         "How a draft model runs while decoding: auto is specdec's compact forward (float16 on "
         "a CPU) where the architecture has one; transformers is the model's own forward.",
+    )
+    draft_confidence: float = _opt(
+        0.0,
+        "A draft model stops drafting once its probability of its own chain so far falls "
+        "below this (the first token is always drafted); 0 always drafts k. Exact either way.",
+        ge=0,
+        lt=1,
+    )
+    target_forward: Literal["auto", "compact", "transformers"] = _opt(
+        "auto",
+        "How the target runs, for plain and speculative decoding alike: auto is specdec's "
+        "compact forward in the target's own dtype where the architecture has one.",
     )
 
 

@@ -115,7 +115,12 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     raise Invalid(key, f"expected {_expected(tp)}, got {show(value)}")
 
 
-BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le)}
+BOUNDS = {
+    "ge": (">=", operator.ge),
+    "gt": (">", operator.gt),
+    "le": ("<=", operator.le),
+    "lt": ("<", operator.lt),
+}
 
 
 def _check_rules(f: dataclasses.Field, value: Any, key: str) -> None:

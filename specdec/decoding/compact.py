@@ -1,11 +1,17 @@
-"""A lean decoding forward for small Llama-family models: the drafter's inner loop.
+"""A lean decoding forward for Llama-family models: the drafter's inner loop and the target's.
 
-A draft step of a small model is dominated by per-call framework work, not arithmetic: on two
-CPU cores a 2-layer SmolLM2-sized draft spends most of its ~6 ms in module dispatch, mask
-construction and cache bookkeeping. :class:`CompactSession` runs the same computation (RMSNorm,
-rotary embedding, grouped-query attention, gated MLP, LM head) straight from the model's own
-weights with a preallocated KV cache, so rolling back is moving an index. It reads the weights
-on every call, so it follows a model that is still being trained.
+A decoding step of a small model is dominated by per-call framework work and by how the weights
+are read, not by arithmetic: on two CPU cores a 2-layer SmolLM2-sized draft spends most of its
+~6 ms in module dispatch, mask construction and cache bookkeeping. :class:`CompactSession` runs
+the same computation (RMSNorm, rotary embedding, grouped-query attention, gated MLP, LM head)
+from the model's weights with a preallocated KV cache, so rolling back is moving an index. It
+follows a model that is still being trained (see :meth:`CompactSession.reset`).
+
+On a CPU in float32 the matrix products are computed as ``W @ x.T``: MKL (torch 2.13) serves a
+1-row ``F.linear`` with a matrix-vector kernel that reads SmolLM2-135M's 30 layers and head in
+45 ms, while ``W @ x.T`` with two rows takes 16 ms (and 31 ms with five rows, against 69 ms for
+``F.linear``). One new token is therefore computed as two identical rows. In float16 ``F.linear``
+is the faster of the two and is kept (``bench/compact_forward.py`` prints both).
 
 Only architectures whose decoder layer is exactly that computation are accepted
 (:func:`supports`); anything else keeps the general :class:`ModelSession`.
@@ -20,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.decoding.session import ModelSession
+from specdec.errors import ConfigError
 
 #: model types whose decoder layer is pre-norm attention + gated MLP with standard rotary
 #: embeddings (Qwen3 adds a per-head RMSNorm on queries and keys)
@@ -35,6 +42,46 @@ def supports(model) -> bool:
         return False
     decoder = getattr(model, "model", None)
     return all(hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+
+#: how the target runs while decoding: auto is the compact forward where the architecture has one
+TARGET_FORWARDS = ("auto", "compact", "transformers")
+
+
+def target_session(model, forward: str = "auto", hidden_layers: Sequence[int] = ()) -> ModelSession:
+    """The target's session for decoding (plain and speculative alike).
+
+    The compact forward runs in the target's own dtype on its own weights: the same function,
+    so exactness is untouched; only the kernels and the bookkeeping differ.
+
+    Raises:
+        ConfigError: an unknown choice, or ``compact`` for an unsupported architecture.
+    """
+    if forward not in TARGET_FORWARDS:
+        raise ConfigError(f"target forward: expected one of {TARGET_FORWARDS}, got {forward!r}")
+    if forward == "compact" and not supports(model):
+        raise ConfigError(
+            f"target forward 'compact': {type(model).__name__} has no compact forward "
+            f"(supported: {', '.join(COMPACT_MODEL_TYPES)}); use 'transformers' or 'auto'"
+        )
+    if forward == "transformers" or not supports(model):
+        return ModelSession(model, hidden_layers=hidden_layers)
+    dtype = model.get_input_embeddings().weight.dtype
+    return CompactSession(model, dtype=dtype, hidden_layers=hidden_layers)
+
+
+def _linear_transposed(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``F.linear`` as ``weight @ x.T`` (a single row is doubled to stay off the matrix-vector
+    kernel); the result is made contiguous so the next product sees the same layout."""
+    rows = x.reshape(-1, x.shape[-1])
+    single = rows.shape[0] == 1
+    if single:
+        rows = rows.expand(2, -1).contiguous()
+    y = weight @ rows.t()
+    y = (y[:, :1] if single else y).t().contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def default_dtype(model) -> torch.dtype:
@@ -66,16 +113,23 @@ class CompactSession(ModelSession):
 
     Args:
         model: a supported causal LM (see :func:`supports`).
-        dtype: the dtype of the session's copy of the weights and of its computation
-            (default: :func:`default_dtype`); logits are returned in float32. The copy is
-            refreshed by :meth:`reset` (a new sequence) when the model's parameters have
-            changed in place since (an optimizer step).
+        dtype: the dtype of the session's computation (default: :func:`default_dtype`); logits
+            are returned in float32. In another dtype than the model's the session keeps a
+            converted copy of the weights, refreshed by :meth:`reset` (a new sequence) when the
+            model's parameters have changed in place since (an optimizer step).
+        hidden_layers: decoder-layer outputs returned in ``self.hidden``, as in
+            :class:`ModelSession` (the last layer after the final norm).
         timed: accumulate forward seconds, as in :class:`ModelSession`.
         capacity: initial KV-cache length; it doubles when exceeded.
     """
 
     def __init__(
-        self, model, dtype: torch.dtype | None = None, timed: bool = True, capacity: int = 1024
+        self,
+        model,
+        dtype: torch.dtype | None = None,
+        hidden_layers: Sequence[int] = (),
+        timed: bool = True,
+        capacity: int = 1024,
     ):
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a supported Llama-family model")
@@ -87,7 +141,12 @@ class CompactSession(ModelSession):
         self.dtype = dtype or default_dtype(model)
         self.capacity = capacity
         self._packed_version: int | None = None
-        super().__init__(model, timed=timed)
+        device = next(model.parameters()).device
+        transposed = device.type == "cpu" and self.dtype == torch.float32
+        self.linear = _linear_transposed if transposed else F.linear
+        num_layers = len(model.model.layers)
+        self._keep = {i % num_layers: i for i in hidden_layers}  # position -> requested index
+        super().__init__(model, hidden_layers=hidden_layers, timed=timed)
 
     def reset(self) -> None:
         self._ids, self._pending, self.length, self.hidden = [], [], 0, {}
@@ -155,7 +214,7 @@ class CompactSession(ModelSession):
         x = self._forward(input_ids, start)
         if last_only:
             x = x[-1:]
-        logits = F.linear(x, *self.head).float()
+        logits = self.linear(x, *self.head).float()
         if self.timed:
             self.forward_seconds += self.clock() - t0
         self.forward_calls += 1
@@ -165,15 +224,16 @@ class CompactSession(ModelSession):
         """Hidden states ``[m, H]`` after the final norm for ``input_ids`` at ``start``."""
         m, end = input_ids.shape[0], start + input_ids.shape[0]
         cos, sin = self.cos[start:end], self.sin[start:end]
-        mask = None
+        mask, self.hidden = None, {}
         if m > 1:  # causal among the new tokens, everything cached is visible
             mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start)
+        linear, last = self.linear, len(self.layers) - 1
         x = self.model.get_input_embeddings()(input_ids).to(self.dtype)
-        for layer, cache in zip(self.layers, self.kv, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.layers, self.kv, strict=True)):
             h = self._norm(x, layer.norm1)
-            q = F.linear(h, *layer.q).view(m, self.num_heads, self.head_dim)
-            k = F.linear(h, *layer.k).view(m, self.num_kv_heads, self.head_dim)
-            v = F.linear(h, *layer.v).view(m, self.num_kv_heads, self.head_dim)
+            q = linear(h, *layer.q).view(m, self.num_heads, self.head_dim)
+            k = linear(h, *layer.k).view(m, self.num_kv_heads, self.head_dim)
+            v = linear(h, *layer.v).view(m, self.num_kv_heads, self.head_dim)
             if layer.q_norm is not None:  # Qwen3: per-head norm before the rotation
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -187,10 +247,15 @@ class CompactSession(ModelSession):
                 scale=self.scaling,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
-            x = x + F.linear(out.transpose(0, 1).reshape(m, -1), *layer.o)
+            x = x + linear(out.transpose(0, 1).reshape(m, -1), *layer.o)
             h = self._norm(x, layer.norm2)
-            x = x + F.linear(F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up), *layer.down)
-        return self._norm(x, self.final_norm)
+            x = x + linear(F.silu(linear(h, *layer.gate)) * linear(h, *layer.up), *layer.down)
+            if i in self._keep and i != last:
+                self.hidden[self._keep[i]] = x
+        x = self._norm(x, self.final_norm)
+        if last in self._keep:
+            self.hidden[self._keep[last]] = x
+        return x
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm: normalised in float32, scaled by the weight."""

@@ -60,6 +60,11 @@ class DraftModelDrafter(Drafter):
             predicts the full target vocabulary.
         tokenizer: the target's tokenizer, saved beside the weights by :meth:`save`.
         forward: one of :data:`DRAFT_FORWARDS` (see :meth:`use_forward`).
+        confidence: stop drafting once the draft's own probability of its chain so far (the
+            product of the probabilities of the tokens it chose) falls below this; 0 drafts
+            all k. The first token is always drafted. A dynamic draft length in the spirit of
+            EAGLE-2 and transformers' ``assistant_confidence_threshold``: it depends only on
+            the draft's distributions, so decoding stays exact.
     """
 
     name = "draft_model"
@@ -71,8 +76,10 @@ class DraftModelDrafter(Drafter):
         vocab_map: torch.Tensor | None = None,
         tokenizer=None,
         forward: str = "auto",
+        confidence: float = 0.0,
     ):
         self.model = model.eval()
+        self.confidence = confidence
         self.session: ModelSession | None = None
         self.use_forward(forward)
         self.target_vocab_size = target_vocab_size
@@ -206,7 +213,7 @@ class DraftModelDrafter(Drafter):
         generator: torch.Generator | None = None,
     ) -> Proposal:
         logits = self.session.extend(self.session.sync(sequence), last_only=True)[-1]
-        tokens, dists = [], []
+        tokens, dists, chain = [], [], 1.0
         for i in range(k):
             if self.vocab_map is None:
                 logits = _fit(logits, self.target_vocab_size)
@@ -218,6 +225,11 @@ class DraftModelDrafter(Drafter):
                 dists.append(q)
             token = choice if self.vocab_map is None else self.vocab_map[choice]
             tokens.append(token)
+            if self.confidence > 0:
+                p = torch.softmax(logits.float(), -1)[choice] if params.greedy else q[choice]
+                chain *= float(p)
+                if chain < self.confidence:
+                    break
             if i + 1 < k:
                 logits = self.session.extend(token.view(1))[-1]
         draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)

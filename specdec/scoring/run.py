@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.data.chat import prompt_messages
+from specdec.decoding.compact import target_session
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import Generation, cheapest_verify_lengths, generate
@@ -44,6 +45,10 @@ class ScoreSettings:
     shape_verify: bool = True
     #: how a draft model runs (``DRAFT_FORWARDS``): auto is the compact float16 forward on a CPU
     draft_forward: str = "auto"
+    #: how the target runs, for plain and speculative decoding alike (``TARGET_FORWARDS``)
+    target_forward: str = "auto"
+    #: a draft model stops drafting when its chain's probability falls below this (0: never)
+    draft_confidence: float = 0.0
 
     def check(self) -> None:
         if self.k < 1:
@@ -52,6 +57,8 @@ class ScoreSettings:
             raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 <= self.draft_confidence < 1:
+            raise ConfigError(f"draft_confidence: must be in [0, 1), got {self.draft_confidence}")
 
     @property
     def params(self) -> SamplingParams:
@@ -69,10 +76,10 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def cost_profile(
-    model, prompt: Sequence[int], max_tokens: int, repeats: int = 5
+    session: ModelSession, prompt: Sequence[int], max_tokens: int, repeats: int = 5
 ) -> dict[int, float]:
     """Median seconds of one cached target forward over m = 1..max_tokens new tokens."""
-    session = ModelSession(model)
+    session.reset()
     session.extend(list(prompt))
     base = session.length
     probe = (list(prompt) * (max_tokens // max(len(prompt), 1) + 1))[:max_tokens]
@@ -111,13 +118,15 @@ def score(
     params = settings.params
     if hasattr(drafter, "use_forward"):
         drafter.use_forward(settings.draft_forward)
+    if hasattr(drafter, "confidence"):
+        drafter.confidence = settings.draft_confidence
     eos = eos_token_ids(model, tokenizer)
-    target = ModelSession(model, hidden_layers=drafter.required_target_layers)
+    target = target_session(model, settings.target_forward, drafter.required_target_layers)
     encoded = [encode_prompt(tokenizer, prompt_messages(row["messages"])) for row in prompts]
     warm = min(settings.warmup_prompts, max(len(encoded) - 1, 0))
     device = target.device
 
-    profile = cost_profile(model, encoded[0], settings.k + 1)
+    profile = cost_profile(target, encoded[0], settings.k + 1)
     lengths = cheapest_verify_lengths(profile, settings.k) if settings.shape_verify else None
 
     def run(ids: list[int], with_drafter: bool, index: int) -> Generation:
@@ -172,7 +181,10 @@ def summarize(method: list[Generation], baseline: list[Generation], settings) ->
     per_draft = out["draft_seconds_per_round"] / out["mean_drafted"] if out["mean_drafted"] else 0
     out["c"] = per_draft / step if step else 0.0
     out["v"] = out["verify_seconds_per_round"] / step if step else 0.0
-    out["bound_speedup"] = metrics.speedup_bound(out["alpha"], settings.k, out["c"], out["v"])
+    # drafts shorter than k (prompt lookup without a match, a confidence stop): the bound at
+    # the mean draft length
+    drafted = min(out["mean_drafted"], settings.k) if out["rounds"] else settings.k
+    out["bound_speedup"] = metrics.speedup_bound(out["alpha"], drafted, out["c"], out["v"])
     out["efficiency"] = out["speedup"] / out["bound_speedup"] if out["bound_speedup"] else 0.0
     out.update(metrics.greedy_identity(method, baseline))
     if settings.temperature > 0:

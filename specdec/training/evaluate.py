@@ -35,6 +35,8 @@ def score_checkpoint(model, drafter, target, recipe: Recipe, step: int) -> dict:
         seed=ev.seed,
         warmup_prompts=ev.warmup_prompts,
         draft_forward=ev.draft_forward,
+        draft_confidence=ev.draft_confidence,
+        target_forward=ev.target_forward,
     )
     sources = tuple(p.source for p in ev.prompts)
     rows = load_prompts(sources, ev.num_prompts + ev.warmup_prompts, recipe.target.cache_dir)

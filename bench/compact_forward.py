@@ -1,0 +1,87 @@
+"""The target's cached forward over m = 1..k+1 new tokens: transformers vs specdec's compact
+forward, with either matrix-product layout, one run. Not a test: a measurement.
+
+Prints milliseconds per forward and each method's ratio to transformers at the same m, and the
+verify cost ratio v(m) = t(m) / t(1) that bounds what speculative decoding can gain.
+
+    python bench/compact_forward.py                     # SmolLM2-135M, float32
+    python bench/compact_forward.py --dtype float16 --max-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specdec.decoding import compact
+from specdec.decoding.session import ModelSession
+from specdec.target import FrozenTarget
+
+
+def timings(session, prompt: list[int], max_tokens: int, repeats: int) -> dict[int, float]:
+    """Median milliseconds of one forward over m new tokens after ``prompt``."""
+    session.reset()
+    session.extend(prompt, last_only=True)
+    base, out = session.length, {}
+    for m in range(1, max_tokens + 1):
+        times = []
+        for r in range(repeats + 2):
+            t0 = time.perf_counter()
+            session.extend([(7 * r + j) % 1000 + 100 for j in range(m)])
+            times.append(time.perf_counter() - t0)
+            session.rollback(base)
+        out[m] = 1000 * statistics.median(times[2:])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--max-tokens", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+
+    target = FrozenTarget.load(args.target, dtype=args.dtype)
+    model, dtype = target.model, getattr(torch, args.dtype)
+    prompt = [(13 * i) % 1000 + 100 for i in range(args.prompt_tokens)]
+    transposed = compact.CompactSession(model, dtype=dtype)
+    transposed.linear = compact._linear_transposed
+    plain = compact.CompactSession(model, dtype=dtype)
+    plain.linear = F.linear
+    sessions = {
+        "transformers": ModelSession(model),
+        "compact, F.linear": plain,
+        "compact, W @ x.T": transposed,
+    }
+    results = {
+        name: timings(s, prompt, args.max_tokens, args.repeats) for name, s in sessions.items()
+    }
+    chosen = compact.target_session(model)
+    default = type(chosen).__name__
+    layout = getattr(chosen, "linear", None)
+    layout = "W @ x.T" if layout is compact._linear_transposed else "F.linear" if layout else "-"
+    print(
+        f"target {target.name} ({args.dtype}, {target.device}), {args.prompt_tokens} cached "
+        f"tokens, threads {torch.get_num_threads()}; target_session uses {default} ({layout})"
+    )
+    ms = list(range(1, args.max_tokens + 1))
+    print(f"{'ms per forward':<22}" + "".join(f"{f'm={m}':>9}" for m in ms))
+    for name, t in results.items():
+        print(f"{name:<22}" + "".join(f"{t[m]:>9.1f}" for m in ms))
+    print(f"{'vs transformers':<22}")
+    for name, t in results.items():
+        ratios = "".join(f"{t[m] / results['transformers'][m]:>8.2f}x" for m in ms)
+        print(f"  {name:<20}" + ratios)
+    print(f"{'v(m) = t(m) / t(1)':<22}")
+    for name, t in results.items():
+        print(f"  {name:<20}" + "".join(f"{t[m] / t[1]:>9.2f}" for m in ms))
+
+
+if __name__ == "__main__":
+    main()
