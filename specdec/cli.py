@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-forward",
         choices=["auto", "compact", "transformers"],
         help="how the target runs, for plain and speculative decoding alike: auto (default) is "
-        "specdec's compact forward in the target's dtype where the architecture has one",
+        "specdec's compact forward in the target's dtype on a CPU where the architecture has one",
     )
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")

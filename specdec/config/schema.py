@@ -194,7 +194,8 @@ class EvalConfig:
     target_forward: Literal["auto", "compact", "transformers"] = _opt(
         "auto",
         "How the target runs, for plain and speculative decoding alike: auto is specdec's "
-        "compact forward in the target's own dtype where the architecture has one.",
+        "compact forward in the target's own dtype on a CPU where the architecture has one, "
+        "else transformers' forward; compact asks for it on any device.",
     )
 
 

@@ -44,7 +44,8 @@ def supports(model) -> bool:
     return all(hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
 
-#: how the target runs while decoding: auto is the compact forward where the architecture has one
+#: how the target runs while decoding: auto is the compact forward on a CPU where the
+#: architecture has one (where it was measured), the transformers forward elsewhere
 TARGET_FORWARDS = ("auto", "compact", "transformers")
 
 
@@ -64,9 +65,11 @@ def target_session(model, forward: str = "auto", hidden_layers: Sequence[int] = 
             f"target forward 'compact': {type(model).__name__} has no compact forward "
             f"(supported: {', '.join(COMPACT_MODEL_TYPES)}); use 'transformers' or 'auto'"
         )
-    if forward == "transformers" or not supports(model):
+    weight = model.get_input_embeddings().weight
+    auto = supports(model) and weight.device.type == "cpu"
+    if forward == "transformers" or (forward == "auto" and not auto):
         return ModelSession(model, hidden_layers=hidden_layers)
-    dtype = model.get_input_embeddings().weight.dtype
+    dtype = weight.dtype
     return CompactSession(model, dtype=dtype, hidden_layers=hidden_layers)
 
 

@@ -4,12 +4,12 @@ tau: tokens emitted per target forward in the decoding rounds, bonus token inclu
 decoding has tau = 1). Acceptance per draft position i: P(accepted length >= i) over the rounds
 that drafted position i, and conditional P(position i accepted | positions < i accepted). Cost
 ratios (Leviathan et al. 2023, sec. 3): c = one draft step / one target step, v = one verify
-forward (mean over rounds) / one target step. The analytic speedup for a per-token acceptance rate alpha is
-(1 - alpha^(k+1)) / ((1 - alpha) (k c + v)), with k the mean draft length where drafts are
-shorter than k (prompt lookup without a match, a draft model's confidence stop); the decoder's
-efficiency is the measured speedup over that bound. The bound assumes every draft token is
-accepted with the same alpha: a confidence stop drafts the likelier tokens, so its efficiency
-can exceed 1.
+forward (mean over rounds) / one target step. The analytic speedup for a per-token acceptance
+rate alpha is (1 - alpha^(k+1)) / ((1 - alpha) (k c + v)), with k the mean draft length where
+drafts are shorter than k (prompt lookup without a match, a draft model's confidence stop); the
+decoder's efficiency is the measured speedup over that bound. The bound assumes every draft
+token is accepted with the same alpha: a confidence stop drafts the likelier tokens, so its
+efficiency can exceed 1.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ def table(result: dict) -> str:
         ("drafter", result["drafter"]),
         ("prompts", f"{result['num_prompts']} (+{result['warmup_prompts']} warm-up)"),
         ("k / temperature", f"{s['k']} / {s['temperature']}"),
+        ("mean draft length", f"{result.get('mean_drafted', 0):.2f}"),
         ("tau (tokens per target forward)", f"{result['tau']:.3f}"),
         ("alpha (per-token acceptance)", f"{result['alpha']:.3f}"),
         ("accept@i", " ".join(f"{a:.2f}" for a in result["accept_rate_per_position"])),
@@ -32,6 +33,11 @@ def table(result: dict) -> str:
             f"{result['bound_speedup']:.3f}x / {result['efficiency']:.2f}",
         ),
         ("overhead outside forwards", f"{100 * result['overhead_fraction']:.1f}%"),
+        (
+            "forwards: target / draft",
+            f"{s.get('target_forward', 'auto')} / {s.get('draft_forward', 'auto')}"
+            + (f", confidence {s['draft_confidence']}" if s.get("draft_confidence") else ""),
+        ),
     ]
     if result.get("greedy_match_rate") is not None:
         rows.append(("greedy identity", f"{100 * result['greedy_match_rate']:.1f}% of prompts"))
