@@ -35,8 +35,8 @@ def table(result: dict) -> str:
         ("overhead outside forwards", f"{100 * result['overhead_fraction']:.1f}%"),
         (
             "forwards: target / draft",
-            f"{s.get('target_forward', 'auto')} / {s.get('draft_forward', 'auto')}"
-            + (f", confidence {s['draft_confidence']}" if s.get("draft_confidence") else ""),
+            f"{s.get('target_forward', 'auto')} / {result.get('draft_forward') or '-'}"
+            + (f", confidence {c}" if (c := result.get("draft_confidence")) else ""),
         ),
     ]
     if result.get("greedy_match_rate") is not None:

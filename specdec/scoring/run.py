@@ -169,6 +169,9 @@ def score(
     result["warmup_prompts"] = warm
     result["settings"] = vars(settings).copy()
     result["drafter"] = drafter.name
+    # what the drafter applied of the settings (prompt lookup has no forward or confidence)
+    result["draft_forward"] = getattr(drafter, "forward", None)
+    result["draft_confidence"] = getattr(drafter, "confidence", None)
     result["environment"] = environment(model)
     return result
 
