@@ -11,31 +11,14 @@ verify cost ratio v(m) = t(m) / t(1) that bounds what speculative decoding can g
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from specdec.decoding import compact
 from specdec.decoding.session import ModelSession
+from specdec.scoring.run import cost_profile
 from specdec.target import FrozenTarget
-
-
-def timings(session, prompt: list[int], max_tokens: int, repeats: int) -> dict[int, float]:
-    """Median milliseconds of one forward over m new tokens after ``prompt``."""
-    session.reset()
-    session.extend(prompt, last_only=True)
-    base, out = session.length, {}
-    for m in range(1, max_tokens + 1):
-        times = []
-        for r in range(repeats + 2):
-            t0 = time.perf_counter()
-            session.extend([(7 * r + j) % 1000 + 100 for j in range(m)])
-            times.append(time.perf_counter() - t0)
-            session.rollback(base)
-        out[m] = 1000 * statistics.median(times[2:])
-    return out
 
 
 def main() -> None:
@@ -59,9 +42,10 @@ def main() -> None:
         "compact, F.linear": plain,
         "compact, W @ x.T": transposed,
     }
-    results = {
-        name: timings(s, prompt, args.max_tokens, args.repeats) for name, s in sessions.items()
-    }
+    results = {}
+    for name, session in sessions.items():
+        seconds = cost_profile(session, prompt, args.max_tokens, args.repeats)
+        results[name] = {m: 1000 * t for m, t in seconds.items()}
     chosen = compact.target_session(model)
     default = type(chosen).__name__
     layout = getattr(chosen, "linear", None)
