@@ -79,7 +79,8 @@ def _recipe_score_values(path: str, overrides: list[str]) -> tuple[dict, str]:
         "num_prompts": ev.num_prompts, "warmup": ev.warmup_prompts, "k": ev.k,
         "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p,
         "max_new_tokens": ev.max_new_tokens, "seed": ev.seed, "dtype": recipe.target.dtype,
-        "cache_dir": recipe.target.cache_dir, "max_ngram": recipe.drafter.max_ngram,
+        "cache_dir": recipe.target.cache_dir,
+        "max_ngram": getattr(recipe.drafter, "max_ngram", SCORE_DEFAULTS["max_ngram"]),
         "draft_forward": ev.draft_forward, "draft_confidence": ev.draft_confidence,
         "target_forward": ev.target_forward,
     }  # fmt: skip
@@ -124,7 +125,7 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from specdec.drafters.draft_model import read_meta
+    from specdec.drafters import read_meta
     from specdec.export import export
     from specdec.target import FrozenTarget
 

@@ -332,15 +332,10 @@ class FrozenTarget:
         Raises:
             ModelError: an index is out of range; the message names it and the valid range.
         """
-        n = self.num_layers
-        resolved = []
-        for layer in layers:
-            if not -n <= layer < n:
-                raise ModelError(
-                    f"hidden layer {layer} out of range for target {self.name} with {n} layers "
-                    f"(valid: {-n}..{n - 1})"
-                )
-            resolved.append(layer % n)
+        try:
+            resolved = [resolve_layer(layer, self.num_layers) for layer in layers]
+        except ModelError as err:
+            raise ModelError(f"target {self.name}: {err}") from None
         return list(dict.fromkeys(resolved))
 
     @torch.no_grad()
@@ -406,6 +401,23 @@ class FrozenTarget:
             f"FrozenTarget({self.name!r}, layers={self.num_layers}, hidden={self.hidden_size}, "
             f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device})"
         )
+
+
+def resolve_layer(layer: int, num_layers: int) -> int:
+    """The decoder layer ``layer`` names (negatives count from the end), in ``0..num_layers-1``.
+
+    Every place that reads hidden layers (:class:`FrozenTarget`, the decoding sessions) numbers
+    them through this function; layer ``i`` is transformers' ``hidden_states[i + 1]``.
+
+    Raises:
+        ModelError: out of range; the message names the index and the valid range.
+    """
+    if not -num_layers <= layer < num_layers:
+        raise ModelError(
+            f"hidden layer {layer} out of range for a target with {num_layers} layers "
+            f"(valid: {-num_layers}..{num_layers - 1})"
+        )
+    return layer % num_layers
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

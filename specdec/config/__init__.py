@@ -23,7 +23,6 @@ from specdec.config.loader import (
 from specdec.config.schema import (
     ACCELERATE_DIR,
     DEFAULT_TARGET,
-    DRAFTER_TYPES,
     EXPORT_FORMATS,
     LOSS_NAMES,
     TRACKERS,
@@ -43,7 +42,7 @@ from specdec.config.schema import (
 
 __all__ = [
     "Recipe", "RunConfig", "TargetConfig", "DrafterConfig", "PromptSource", "RegenerateConfig",
-    "DataConfig", "LossConfig", "TrainConfig", "EvalConfig", "ExportConfig", "DRAFTER_TYPES",
+    "DataConfig", "LossConfig", "TrainConfig", "EvalConfig", "ExportConfig",
     "EXPORT_FORMATS", "LOSS_NAMES", "TRACKERS", "describe", "iter_recipes", "load_recipe",
     "recipe_from_dict", "recipe_to_dict", "save_recipe", "ACCELERATE_DIR", "DEFAULT_TARGET",
     "LossName",

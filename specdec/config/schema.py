@@ -16,7 +16,6 @@ from typing import Any, Literal, get_args
 
 LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)
-DRAFTER_TYPES = ("draft_model", "medusa", "mtp", "eagle3", "prompt_lookup")
 EXPORT_FORMATS = ("hf", "speculators", "sglang", "medusa")
 TRACKERS = ("wandb", "tensorboard")
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -63,23 +62,37 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    type: str = _opt("draft_model", "Drafter family (registry name).", choices=DRAFTER_TYPES)
+    """What every drafter family's section has. Each family subclasses it with its own fields
+    (in its module under ``specdec/drafters/``); ``drafter.type`` picks the subclass."""
+
+    type: str = _opt(help="Drafter family (registry name).")
     from_pretrained: str | None = _opt(None, "Start from a saved drafter checkpoint directory.")
-    num_layers: int = _opt(2, "Decoder layers of the drafter.", ge=1)
-    hidden_size: int | None = _opt(None, "Drafter hidden size; null: the target's.", ge=1)
-    intermediate_size: int | None = _opt(None, "MLP size; null: the target's.", ge=1)
-    num_attention_heads: int | None = _opt(None, "Attention heads; null: the target's.", ge=1)
-    num_key_value_heads: int | None = _opt(None, "Key/value heads; null: the target's.", ge=1)
-    init_from_target: bool = _opt(True, "Copy embeddings, head and layers from the target.")
-    init_layers: list[int] = _opt(
-        [], "Target layers copied into the drafter (negatives count from the end); []: spread."
-    )
-    draft_vocab_size: int | None = _opt(
-        None, "Reduced output vocabulary (most frequent target tokens); null: the full one.", ge=1
-    )
-    num_heads: int = _opt(4, "Prediction heads (medusa) or extra positions (mtp).", ge=1)
-    max_ngram: int = _opt(3, "Longest n-gram matched in the context (prompt_lookup).", ge=1)
-    min_ngram: int = _opt(1, "Shortest n-gram matched in the context (prompt_lookup).", ge=1)
+
+    def check(self) -> None:
+        """Rules between the family's fields; raises ``Invalid`` naming the key."""
+
+    @staticmethod
+    def variants() -> dict[str, type]:
+        """Family name -> its config dataclass, from the drafter registry."""
+        from specdec.drafters import config_classes
+
+        return config_classes()
+
+    @staticmethod
+    def default_variant() -> str:
+        """The family of a section that names none."""
+        from specdec.drafters import DEFAULT_FAMILY
+
+        return DEFAULT_FAMILY
+
+
+def default_drafter() -> DrafterConfig:
+    """The default family's section with its defaults."""
+    return DrafterConfig.variants()[DrafterConfig.default_variant()]()
+
+
+#: the public name of the field helper, for the families' config dataclasses
+option = _opt
 
 
 @dataclass
@@ -155,6 +168,10 @@ class TrainConfig:
     max_steps: int = _opt(1000, "Optimizer steps; 0 trains nothing (score only).", ge=0)
     batch_size: int = _opt(8, "Sequences per device per micro-batch.", ge=1)
     grad_accum: int = _opt(1, "Micro-batches per optimizer step.", ge=1)
+    length_group: int = _opt(
+        1, "Micro-batches whose rows are drawn together and sorted by length, so a batch pads "
+        "little; 1 draws each batch at random.", ge=1,
+    )  # fmt: skip
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm; 0 is off.", ge=0)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = _opt(
         "auto", "Autocast of the drafter; auto: bf16 where the GPU supports it, else no."
@@ -209,7 +226,10 @@ class ExportConfig:
 class Recipe:
     run: RunConfig = _opt(RunConfig(), "Name, directory, seed and logging of the run.")
     target: TargetConfig = _opt(TargetConfig(), "The frozen target model.")
-    drafter: DrafterConfig = _opt(DrafterConfig(), "The drafter being trained or scored.")
+    drafter: DrafterConfig = field(
+        default_factory=default_drafter,
+        metadata={"help": "The drafter being trained or scored; drafter.type picks the family."},
+    )
     data: DataConfig = _opt(DataConfig(), "Training prompts and their regeneration.")
     loss: LossConfig = _opt(LossConfig(), "Distillation loss.")
     train: TrainConfig = _opt(TrainConfig(), "Optimisation and checkpointing.")

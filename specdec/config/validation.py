@@ -155,6 +155,8 @@ def _build(cls: type, data: Any, prefix: str = "") -> Any:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise Invalid(prefix, f"expected a mapping, got {show(data)}")
+    if hasattr(cls, "variants"):  # a section whose ``type`` picks its dataclass
+        cls = _variant(cls, data, prefix)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in data:
         if name not in fields:
@@ -171,18 +173,23 @@ def _build(cls: type, data: Any, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _variant(cls: type, data: dict, prefix: str) -> type:
+    variants = cls.variants()
+    name = data.get("type", cls.default_variant())
+    if name not in variants:
+        allowed = ", ".join(repr(v) for v in variants)
+        hint = _suggest(str(name), list(variants))
+        raise Invalid(
+            join_key(prefix, "type"), f"expected one of {allowed}, got {show(name)}{hint}"
+        )
+    return variants[name]
+
+
 def _cross_checks(r: Recipe) -> None:
     """Rules that involve more than one field."""
     if not r.run.name.strip():
         raise Invalid("run.name", "expected a non-empty name")
-    d = r.drafter
-    if d.max_ngram < d.min_ngram:
-        message = f"expected >= drafter.min_ngram ({d.min_ngram}), got {d.max_ngram}"
-        raise Invalid("drafter.max_ngram", message, also=["drafter.min_ngram"])
-    if d.type == "draft_model" and d.init_layers and len(d.init_layers) != d.num_layers:
-        n = len(d.init_layers)
-        message = f"expected drafter.num_layers ({d.num_layers}) entries, got {n}"
-        raise Invalid("drafter.init_layers", message, also=["drafter.num_layers"])
+    r.drafter.check()
     if r.loss.mix and sum(r.loss.mix.values()) <= 0:
         raise Invalid("loss.mix", "expected weights with a positive sum")
 

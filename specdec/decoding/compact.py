@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from specdec.decoding.session import ModelSession
 from specdec.errors import ConfigError
+from specdec.target import resolve_layer
 
 #: model types whose decoder layer is pre-norm attention + gated MLP with standard rotary
 #: embeddings (Qwen3 adds a per-head RMSNorm on queries and keys)
@@ -148,7 +149,8 @@ class CompactSession(ModelSession):
         transposed = device.type == "cpu" and self.dtype == torch.float32
         self.linear = _linear_transposed if transposed else F.linear
         num_layers = len(model.model.layers)
-        self._keep = {i % num_layers: i for i in hidden_layers}  # position -> requested index
+        # layer position -> the index as requested
+        self._keep = {resolve_layer(i, num_layers): i for i in hidden_layers}
         super().__init__(model, hidden_layers=hidden_layers, timed=timed)
 
     def reset(self) -> None:

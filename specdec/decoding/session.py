@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from specdec.target import resolve_layer
+
 
 class Clock:
     """Wall-clock seconds that include the device's queued work (syncs CUDA before reading)."""
@@ -33,8 +35,10 @@ class ModelSession:
 
     Args:
         model: a transformers causal LM, in eval mode.
-        hidden_layers: decoder-layer indices whose outputs ``extend`` also returns (index i is
-            the output of layer i, i.e. transformers' ``hidden_states[i + 1]``).
+        hidden_layers: decoder-layer indices whose outputs ``extend`` also returns, numbered as
+            :func:`specdec.target.resolve_layer` numbers them (layer i is transformers'
+            ``hidden_states[i + 1]``; negatives count from the end; the last layer is after
+            the final norm). ``self.hidden`` is keyed by the indices as given.
         timed: accumulate the time spent in forwards (``forward_seconds``). On CUDA this
             synchronizes around every forward; turn it off where that matters more than the
             breakdown.
@@ -45,6 +49,8 @@ class ModelSession:
         self.timed = timed
         self.device = next(model.parameters()).device
         self.hidden_layers = tuple(hidden_layers)
+        num_layers = model.config.get_text_config().num_hidden_layers
+        self._states = {i: resolve_layer(i, num_layers) + 1 for i in self.hidden_layers}
         self.clock = Clock(self.device)
         self.forward_seconds = 0.0
         self.forward_calls = 0
@@ -106,7 +112,7 @@ class ModelSession:
             self.forward_seconds += self.clock() - t0
         self.forward_calls += 1
         if self.hidden_layers:
-            self.hidden = {i: out.hidden_states[i + 1][0] for i in self.hidden_layers}
+            self.hidden = {i: out.hidden_states[j][0] for i, j in self._states.items()}
         return logits
 
     def rollback(self, length: int) -> None:

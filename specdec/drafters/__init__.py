@@ -1,22 +1,31 @@
-"""Drafter families, by registry name.
+"""Drafter families, by registry name: the only place that knows which families exist.
 
-Each family lives in its own module with the same shape (see :mod:`specdec.drafters.base`).
-Families that need training are built from checkpoints; ``prompt_lookup`` needs nothing.
+Each family is one module with the same shape (see :mod:`specdec.drafters.base`): a config
+dataclass (the recipe's ``drafter:`` section when ``drafter.type`` names it), ``build(target,
+config, token_counts)``, ``from_checkpoint(path, target)``, and the decoding face; trainable
+families add the training face. Everything outside this package reaches a family through the
+functions below.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 
-from specdec.drafters.base import Drafter, Proposal
-from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.base import Drafter, Proposal, Teacher, TrainableDrafter
+from specdec.drafters.checkpoint import read_meta
+from specdec.drafters.draft_model import DraftModelDrafter, load_draft_model
+from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, ModelError
 
 REGISTRY: dict[str, type[Drafter]] = {
     "draft_model": DraftModelDrafter,
+    "eagle3": Eagle3Drafter,
     "prompt_lookup": PromptLookupDrafter,
 }
+#: the family of a recipe whose ``drafter:`` section names none
+DEFAULT_FAMILY = "draft_model"
 
 
 def drafter_class(name: str) -> type[Drafter]:
@@ -30,11 +39,60 @@ def drafter_class(name: str) -> type[Drafter]:
     return REGISTRY[name]
 
 
+def config_classes() -> dict[str, type]:
+    """Family name -> the dataclass of its ``drafter:`` section."""
+    return {name: cls.config_class for name, cls in REGISTRY.items()}
+
+
+def is_trainable(name: str) -> bool:
+    return issubclass(drafter_class(name), TrainableDrafter)
+
+
+def build(target, config, token_counts=None) -> Drafter:
+    """A fresh drafter of the family ``config.type`` for ``target`` (untrained where trained)."""
+    return drafter_class(config.type).build(target, config, token_counts)
+
+
+def load(path: str | os.PathLike, target) -> Drafter:
+    """A drafter saved by specdec, whatever its family (``drafter.json`` names it)."""
+    family = read_meta(path).get("type")
+    if family not in REGISTRY:
+        raise ModelError(f"{path}: a checkpoint of unknown drafter family {family!r}")
+    return REGISTRY[family].from_checkpoint(path, target)
+
+
+def family_of(path: str | os.PathLike) -> str | None:
+    """The family a checkpoint directory says it holds."""
+    return read_meta(path).get("type")
+
+
+def config_for(name: str, **values):
+    """The ``name`` family's config with ``values`` set where it has such fields (a command's
+    flags apply to the families they concern)."""
+    cls = drafter_class(name).config_class
+    known = {k: v for k, v in values.items() if k in cls.__dataclass_fields__ and v is not None}
+    return cls(**known)
+
+
+def from_model(path_or_id: str, target) -> Drafter:
+    """Any transformers causal LM that shares the target's tokenizer, as a drafter."""
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    return load_draft_model(path_or_id, target.tokenizer, vocab, device=target.device)
+
+
 __all__ = [
+    "DEFAULT_FAMILY",
     "REGISTRY",
     "Drafter",
-    "DraftModelDrafter",
-    "PromptLookupDrafter",
     "Proposal",
+    "Teacher",
+    "TrainableDrafter",
+    "build",
+    "config_classes",
+    "config_for",
     "drafter_class",
+    "family_of",
+    "from_model",
+    "is_trainable",
+    "load",
 ]

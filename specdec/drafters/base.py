@@ -1,17 +1,29 @@
-"""The interface every drafter family offers the decoder.
+"""The faces every drafter family offers: one for the decoder, one for the trainer.
 
-Decoding face: ``begin`` on a prompt, ``propose`` up to k tokens after the current sequence
-(with the exact distributions they were drawn from, or none for a deterministic draft), and
-``commit`` what the target accepted so the drafter's own state (KV cache, features) stays in
-step. A drafter may work over a reduced vocabulary internally; the distributions it returns
-are always over the target's vocabulary (zero outside its own), which keeps rejection
+Decoding face (:class:`Drafter`): ``begin`` on a prompt with the target's features over it,
+``propose`` up to k tokens after the current sequence (with the exact distributions they were
+drawn from, or none for a deterministic draft), and ``commit`` what the target accepted, with
+the target's features of the kept positions, so the drafter's own state (KV cache, features)
+stays in step. A drafter may work over a reduced vocabulary internally; the distributions it
+returns are always over the target's vocabulary (zero outside its own), which keeps rejection
 sampling exact.
+
+Training face (:class:`TrainableDrafter`): the trainable module only (frozen parts borrowed
+from the target are referenced, neither trained nor saved); ``module(input_ids,
+attention_mask, features)`` returns S steps of draft logits ``[S, B, T, D]``, and
+``teacher(target_logits, loss_mask)`` the matching step-shifted targets and masks. Step s at
+row t predicts token ``t + 1 + shift + s``: a draft model (S = 1, shift 0) predicts the next
+token; EAGLE-3 (shift 1) reads the target's features at t and the token t + 1, and unrolls S
+steps on its own outputs. The trainer asks the target for ``required_target_layers`` and
+knows no family.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,16 +32,19 @@ from specdec.decoding.sampling import SamplingParams
 
 @dataclass
 class Proposal:
-    """Drafted tokens.
+    """Drafted tokens: a chain, or a tree.
 
     Attributes:
         tokens: ``[n]`` token ids, n <= k (n may be 0: nothing worth proposing).
         probs: ``[n, V]`` the distributions the tokens were drawn from (target vocabulary),
             or None when the draft is deterministic (greedy drafting, n-gram lookup).
+        parents: None for a chain (token i follows token i - 1); for a tree, ``[n]`` the index
+            of each node's parent (-1: the last verified token).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -41,6 +56,14 @@ class Drafter:
     name: str = "drafter"
     #: decoder-layer indices of the target whose outputs the drafter consumes
     required_target_layers: tuple[int, ...] = ()
+    #: how the drafter's own forward runs while decoding (None: it has none)
+    forward: str | None = None
+    #: stop drafting once the draft's own probability of its chain falls below this (0: never)
+    confidence: float | None = None
+
+    def configure(self, forward: str = "auto", confidence: float = 0.0) -> None:
+        """Apply the decoding knobs (``eval.draft_forward``, ``eval.draft_confidence``) that
+        the family has; families without a forward or a confidence stop ignore them."""
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         """Start a new sequence. ``target_features`` holds the requested target layers'
@@ -58,16 +81,98 @@ class Drafter:
 
     def commit(self, num_accepted: int, target_features: dict | None = None) -> None:
         """The target accepted ``num_accepted`` tokens of the last proposal and added one of
-        its own. ``target_features`` covers the positions newly in the target's cache."""
-
-    @classmethod
-    def from_checkpoint(cls, path: str, target) -> Drafter:
-        """Load a trained drafter saved by specdec for ``target`` (a FrozenTarget)."""
-        from specdec.errors import ModelError
-
-        raise ModelError(f"{path}: drafter '{cls.name}' has no trained checkpoints to load")
+        its own. ``target_features`` covers the positions newly in the target's cache: the
+        token before the proposal and the accepted ones (``{layer: [n + 1, H]}``)."""
 
     @property
     def draft_seconds(self) -> float:
         """Seconds this drafter spent in model forwards (0 for model-free drafters)."""
         return 0.0
+
+    def transformers_model(self, where: str = ""):
+        """The drafter as a standalone transformers causal LM over the target's vocabulary,
+        for formats that load one (``generate(assistant_model=...)``).
+
+        Raises:
+            ModelError: the drafter is not one.
+        """
+        from specdec.errors import ModelError
+
+        raise ModelError(
+            f"{where or self.name}: a '{self.name}' drafter is not a standalone causal LM over "
+            "the target's vocabulary"
+        )
+
+
+@dataclass
+class Teacher:
+    """The targets of S draft steps, aligned with the drafter's ``[S, B, T, D]`` logits.
+
+    Attributes:
+        log_probs: ``[S, B, T, D]`` the target's log-probabilities over the full vocabulary,
+            read at the draft's D tokens (their sum is below 1 where the target puts mass
+            outside them; a loss renormalises them, acceptance metrics do not).
+        tokens: ``[S, B, T]`` the target's argmax as a draft index, -1 where it lies outside
+            the draft vocabulary (a position no draft can get right).
+        mask: ``[S, B, T]`` where step s at row t is trained on.
+    """
+
+    log_probs: torch.Tensor
+    tokens: torch.Tensor
+    mask: torch.Tensor
+
+
+class TrainableDrafter(Drafter):
+    """A drafter with a training face. Families set ``steps`` and ``shift`` and provide
+    ``module``, ``draft_ids``, ``save``, ``build`` and ``from_checkpoint``."""
+
+    #: draft steps per training position (S)
+    steps: int = 1
+    #: step 0 at row t predicts token t + 1 + shift
+    shift: int = 0
+    #: ``[D]`` target ids of the draft's outputs (None: the full target vocabulary)
+    draft_ids: torch.Tensor | None = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The trainable module: ``module(input_ids, attention_mask, features)`` returns
+        ``[S, B, T, D]`` logits."""
+        raise NotImplementedError
+
+    def step_weights(self) -> torch.Tensor:
+        """``[S]`` loss weight of each step."""
+        return torch.ones(self.steps)
+
+    def loss_masks(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """``[S, B, T]``: step s at row t counts where token ``t + 1 + shift + s`` is an
+        assistant token of the ``[B, T]`` ``loss_mask``."""
+        return torch.stack([_shift_left(loss_mask, 1 + self.shift + s) for s in range(self.steps)])
+
+    def teacher(self, target_logits: torch.Tensor, loss_mask: torch.Tensor) -> Teacher:
+        """The target's distributions for each step: row ``t + shift + s`` of the ``[B, T, V]``
+        logits predicts the token that step s at row t predicts."""
+        log_p = torch.log_softmax(target_logits.float(), dim=-1)  # [B, T, V]
+        best = log_p.argmax(dim=-1)  # [B, T]
+        if self.draft_ids is not None:
+            ids = self.draft_ids.to(log_p.device)
+            log_p = log_p.index_select(-1, ids)
+            index = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=ids.device)
+            index[ids] = torch.arange(len(ids), device=ids.device)
+            best = index[best]
+        log_probs = torch.stack([_shift_left(log_p, self.shift + s) for s in range(self.steps)])
+        tokens = torch.stack(
+            [_shift_left(best, self.shift + s, fill=-1) for s in range(self.steps)]
+        )
+        return Teacher(log_probs, tokens, self.loss_masks(loss_mask).bool())
+
+    def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
+        """Write a checkpoint directory atomically; it describes itself (``drafter.json``)."""
+        raise NotImplementedError
+
+
+def _shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
+    """``x`` along dim 1 moved left by ``n`` (row t holds row t + n), padded with ``fill``."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)

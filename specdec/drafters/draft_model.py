@@ -9,8 +9,8 @@ target vocabulary, zero elsewhere, so rejection sampling stays exact.
 
 Training face: :func:`build_draft_model` makes a small model of the target's own architecture
 (optionally initialised from the target's embeddings, final norm, head and chosen layers);
-``train_logits`` gives its ``[B, T, D]`` logits and ``restrict`` cuts the target's logits to
-the same D tokens, so a loss compares like with like.
+``module`` is that model as one step of ``[1, B, T, D]`` logits (it reads no target features),
+and the base class's ``teacher`` reads the target's distribution at the same D tokens.
 
 Checkpoints: :meth:`DraftModelDrafter.save` writes, and :mod:`specdec.drafters.checkpoint`
 reads, a transformers directory with the target's tokenizer, ``drafter.json`` and, for a
@@ -23,14 +23,17 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from specdec.config.schema import DrafterConfig, option
+from specdec.config.validation import Invalid
 from specdec.decoding import compact
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
 from specdec.decoding.session import ModelSession
-from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.base import Proposal, TrainableDrafter
 from specdec.drafters.checkpoint import (
     CHECKPOINT_FILE,
     REDUCED_VOCAB_ATTR,
@@ -39,6 +42,7 @@ from specdec.drafters.checkpoint import (
     load_reduced,
     read_meta,
 )
+from specdec.drafters.vocabulary import draft_vocab, to_target
 from specdec.errors import ConfigError, ModelError
 from specdec.files import atomic_dir
 
@@ -50,7 +54,43 @@ logger = logging.getLogger(__name__)
 DRAFT_FORWARDS = ("auto", "transformers", "float32", "float16", "bfloat16")
 
 
-class DraftModelDrafter(Drafter):
+@dataclass
+class DraftModelConfig(DrafterConfig):
+    type: str = option("draft_model", "Drafter family (registry name).")
+    num_layers: int = option(2, "Decoder layers of the drafter.", ge=1)
+    hidden_size: int | None = option(None, "Drafter hidden size; null: the target's.", ge=1)
+    intermediate_size: int | None = option(None, "MLP size; null: the target's.", ge=1)
+    num_attention_heads: int | None = option(None, "Attention heads; null: the target's.", ge=1)
+    num_key_value_heads: int | None = option(None, "Key/value heads; null: the target's.", ge=1)
+    init_from_target: bool = option(True, "Copy embeddings, head and layers from the target.")
+    init_layers: list[int] = option(
+        [], "Target layers copied into the drafter (negatives count from the end); []: spread."
+    )
+    draft_vocab_size: int | None = option(
+        None, "Reduced output vocabulary (most frequent target tokens); null: the full one.", ge=1
+    )
+
+    def check(self) -> None:
+        if self.init_layers and len(self.init_layers) != self.num_layers:
+            n = len(self.init_layers)
+            message = f"expected drafter.num_layers ({self.num_layers}) entries, got {n}"
+            raise Invalid("drafter.init_layers", message, also=["drafter.num_layers"])
+
+
+class NextTokenModule(torch.nn.Module):
+    """A causal LM as a trainable drafter module: one step, row t predicting token t + 1."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask=None, features=()) -> torch.Tensor:
+        """``[1, B, T, D]`` logits (the target's features are not read)."""
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits.unsqueeze(0)
+
+
+class DraftModelDrafter(TrainableDrafter):
     """Drafts with a small causal LM that reads target token ids.
 
     Args:
@@ -68,6 +108,7 @@ class DraftModelDrafter(Drafter):
     """
 
     name = "draft_model"
+    config_class = DraftModelConfig
 
     def __init__(
         self,
@@ -79,6 +120,7 @@ class DraftModelDrafter(Drafter):
         confidence: float = 0.0,
     ):
         self.model = model.eval()
+        self._module: NextTokenModule | None = None
         self.confidence = confidence
         self.session: ModelSession | None = None
         self.use_forward(forward)
@@ -106,32 +148,32 @@ class DraftModelDrafter(Drafter):
             str(path), target.tokenizer, target.vocab_size, device=target.device
         )
 
+    @classmethod
+    def build(cls, target, cfg: DraftModelConfig, token_counts=None) -> DraftModelDrafter:
+        """A fresh draft model for ``target`` (see :func:`build_draft_model`)."""
+        return build_draft_model(target, cfg, token_counts)
+
     # ------------------------------------------------------------------------ training face
 
-    def train_logits(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The draft's logits over its own output vocabulary.
+    @property
+    def module(self) -> torch.nn.Module:
+        """The draft LM as a one-step trainable module (``[1, B, T, D]`` logits)."""
+        if self._module is None:
+            self._module = NextTokenModule(self.model)
+        return self._module
 
-        Args:
-            input_ids: ``[B, T]`` target token ids.
-            attention_mask: ``[B, T]`` padding mask.
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        return self.vocab_map
 
-        Returns:
-            ``[B, T, D]`` logits, row t predicting token t + 1 (D = V for the full vocabulary).
-        """
-        return self.model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).logits
-
-    def restrict(self, target_logits: torch.Tensor) -> torch.Tensor:
-        """The target's logits ``[B, T, V]`` at the draft's output tokens: ``[B, T, D]``."""
-        if self.vocab_map is None:
-            return target_logits
-        return target_logits.index_select(-1, self.vocab_map.to(target_logits.device))
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+    def transformers_model(self, where: str = ""):
+        if self.vocab_map is not None:
+            raise ModelError(
+                f"{where or self.name}: this drafter has a reduced output vocabulary "
+                f"({len(self.vocab_map)} tokens), which plain transformers cannot use: it needs "
+                "specdec's decoder, or re-training with drafter.draft_vocab_size: null"
+            )
+        return self.model
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically: it is complete or it does not exist.
@@ -166,6 +208,10 @@ class DraftModelDrafter(Drafter):
         return Path(path)
 
     # ------------------------------------------------------------------------ decoding face
+
+    def configure(self, forward: str = "auto", confidence: float = 0.0) -> None:
+        self.use_forward(forward)
+        self.confidence = confidence
 
     def use_forward(self, forward: str) -> None:
         """Choose how the draft runs while decoding (one of :data:`DRAFT_FORWARDS`).
@@ -236,11 +282,7 @@ class DraftModelDrafter(Drafter):
         return Proposal(draft, self._to_target_vocab(dists) if dists else None)
 
     def _to_target_vocab(self, dists: list[torch.Tensor]) -> torch.Tensor:
-        q = torch.stack(dists)  # [k, D]
-        if self.vocab_map is None:
-            return q
-        full = q.new_zeros(q.shape[0], self.target_vocab_size)
-        return full.index_copy_(1, self.vocab_map, q)
+        return to_target(torch.stack(dists), self.vocab_map, self.target_vocab_size)
 
     @property
     def draft_seconds(self) -> float:
@@ -281,11 +323,8 @@ def build_draft_model(target, cfg, token_counts: torch.Tensor | None = None) -> 
 
     layers = _chosen_layers(target, cfg)
     config = _draft_config(target, cfg, layers)
-    vocab_map = None
-    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < target.vocab_size:
-        if token_counts is None:
-            raise ValueError("a reduced draft vocabulary needs token_counts from the training data")
-        vocab_map = select_vocab(token_counts, cfg.draft_vocab_size, _special_ids(target))
+    vocab_map = draft_vocab(target, cfg.draft_vocab_size, token_counts)
+    if vocab_map is not None:
         config.tie_word_embeddings = False
         setattr(config, REDUCED_VOCAB_ATTR, len(vocab_map))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -384,38 +423,6 @@ def _copy_from_target(model, target, layers: list[int], copy_layers: bool) -> No
     if copy_layers:
         for mine, theirs in zip(dst.layers, layers, strict=True):
             mine.load_state_dict(src.layers[theirs].state_dict())
-
-
-def _special_ids(target) -> list[int]:
-    """Tokens a reduced vocabulary always keeps: special and added-special tokens, EOS ids."""
-    tok = target.tokenizer
-    ids = set(tok.all_special_ids)
-    ids |= {i for i, added in tok.added_tokens_decoder.items() if added.special}
-    eos = target.model.generation_config.eos_token_id
-    ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return sorted(i for i in ids if i < target.vocab_size)
-
-
-def select_vocab(token_counts: torch.Tensor, size: int, keep: Sequence[int] = ()) -> torch.Tensor:
-    """The ``size`` most frequent tokens, ``keep`` always among them.
-
-    Args:
-        token_counts: ``[V]`` counts per target token id.
-        size: D, the reduced vocabulary size.
-        keep: token ids included whatever their count.
-
-    Returns:
-        ``[D]`` target ids sorted by id (ties in count go to the lower id).
-    """
-    if len(keep) > size:
-        raise ConfigError(
-            f"drafter.draft_vocab_size: {size} is smaller than the {len(keep)} special tokens "
-            "that a drafter must be able to emit"
-        )
-    score = token_counts.detach().to("cpu", torch.float64).clone()
-    score[list(keep)] = float("inf")
-    order = torch.argsort(score, descending=True, stable=True)
-    return order[:size].sort().values
 
 
 @torch.no_grad()

@@ -9,11 +9,26 @@ guess. It is the bar every trained drafter must clear.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from specdec.config.schema import DrafterConfig, option
+from specdec.config.validation import Invalid
 from specdec.decoding.sampling import SamplingParams
 from specdec.drafters.base import Drafter, Proposal
+
+
+@dataclass
+class PromptLookupConfig(DrafterConfig):
+    type: str = option("prompt_lookup", "Drafter family (registry name).")
+    max_ngram: int = option(3, "Longest n-gram matched in the context.", ge=1)
+    min_ngram: int = option(1, "Shortest n-gram matched in the context.", ge=1)
+
+    def check(self) -> None:
+        if self.max_ngram < self.min_ngram:
+            message = f"expected >= drafter.min_ngram ({self.min_ngram}), got {self.max_ngram}"
+            raise Invalid("drafter.max_ngram", message, also=["drafter.min_ngram"])
 
 
 class PromptLookupDrafter(Drafter):
@@ -25,12 +40,24 @@ class PromptLookupDrafter(Drafter):
     """
 
     name = "prompt_lookup"
+    config_class = PromptLookupConfig
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+
+    @classmethod
+    def build(cls, target, cfg: PromptLookupConfig, token_counts=None) -> PromptLookupDrafter:
+        """Training-free: nothing to build but the n-gram bounds."""
+        return cls(cfg.max_ngram, cfg.min_ngram)
+
+    @classmethod
+    def from_checkpoint(cls, path, target) -> PromptLookupDrafter:
+        from specdec.errors import ModelError
+
+        raise ModelError(f"{path}: prompt lookup has no trained checkpoints to load")
 
     def propose(
         self,

@@ -1,4 +1,4 @@
-"""Export a ``draft_model`` checkpoint as a plain transformers model directory.
+"""Export a drafter checkpoint as a plain transformers model directory.
 
 The result loads with ``AutoModelForCausalLM.from_pretrained`` and serves as the assistant in
 ``generate(assistant_model=...)`` or as the draft model of a serving engine's draft-model
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 import specdec
-from specdec.drafters.draft_model import DraftModelDrafter, read_meta
+from specdec import drafters
+from specdec.drafters import read_meta
 from specdec.errors import ModelError
 from specdec.files import atomic_dir
 
@@ -34,7 +35,8 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tar
     """Write and verify the transformers export of a checkpoint.
 
     Args:
-        checkpoint_dir: a ``draft_model`` checkpoint saved by specdec.
+        checkpoint_dir: a checkpoint saved by specdec of a drafter that is a standalone
+            causal LM (``Drafter.transformers_model``).
         out_dir: the export directory; an existing one is replaced once the new one verifies.
         target: the :class:`~specdec.target.FrozenTarget` the drafter was trained for.
 
@@ -42,23 +44,14 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tar
         ``out_dir``.
 
     Raises:
-        ModelError: not a full-vocabulary ``draft_model`` checkpoint, or verification failed.
+        ModelError: the drafter is no standalone full-vocabulary causal LM, or verification
+            failed.
     """
     meta = read_meta(checkpoint_dir)
-    if meta.get("type") != DraftModelDrafter.name:
-        raise ModelError(
-            f"{checkpoint_dir}: the hf format exports draft_model checkpoints, "
-            f"not '{meta.get('type')}'"
-        )
-    if meta.get("draft_vocab_size"):
-        raise ModelError(
-            f"{checkpoint_dir}: this drafter has a reduced output vocabulary "
-            f"({meta['draft_vocab_size']} tokens), which plain transformers cannot use: it needs "
-            "specdec's decoder, or re-training with drafter.draft_vocab_size: null"
-        )
-    model = DraftModelDrafter.from_checkpoint(str(checkpoint_dir), target).model.eval()
+    drafter = drafters.load(checkpoint_dir, target)
+    model = drafter.transformers_model(str(checkpoint_dir)).eval()
     model.config.specdec_export = {
-        "drafter": DraftModelDrafter.name,
+        "drafter": drafter.name,
         "target": meta.get("target"),
         "specdec_version": specdec.__version__,
     }

@@ -6,9 +6,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.drafters import DraftModelDrafter, PromptLookupDrafter, drafter_class
-from specdec.drafters.base import Drafter
-from specdec.drafters.draft_model import load_draft_model, read_meta
+from specdec import drafters
+from specdec.drafters import Drafter, read_meta
 from specdec.errors import ConfigError, DataError
 from specdec.files import write_json
 from specdec.scoring import report
@@ -37,19 +36,20 @@ class ScoreJob:
 
 def build_drafter(job: ScoreJob, target) -> Drafter:
     """The drafter a job names, checked against the target."""
-    vocab = target.model.get_output_embeddings().weight.shape[0]
     if job.checkpoint:
-        meta = read_meta(job.checkpoint)
-        cls = drafter_class(meta.get("type", "?"))
-        return cls.from_checkpoint(job.checkpoint, target)
+        return drafters.load(job.checkpoint, target)
     if job.draft_model:
-        return load_draft_model(job.draft_model, target.tokenizer, vocab, device=target.device)
-    cls = drafter_class(job.drafter or "")
-    if cls is PromptLookupDrafter:
-        return PromptLookupDrafter(max_ngram=job.max_ngram)
-    if cls is DraftModelDrafter:
-        raise ConfigError("drafter 'draft_model' needs --draft-model PATH_OR_ID or --checkpoint")
-    raise ConfigError(f"drafter '{job.drafter}' is scored from a trained --checkpoint")
+        return drafters.from_model(job.draft_model, target)
+    _check_training_free(job.drafter)
+    return drafters.build(target, drafters.config_for(job.drafter, max_ngram=job.max_ngram))
+
+
+def _check_training_free(name: str) -> None:
+    if drafters.is_trainable(name):
+        raise ConfigError(
+            f"drafter '{name}' is scored from a trained --checkpoint "
+            "(or, for any transformers causal LM, --draft-model PATH_OR_ID)"
+        )
 
 
 def load_prompts(sources: tuple[str, ...], num_prompts: int, cache_dir=None) -> list[dict]:
@@ -81,8 +81,8 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     chosen = [x for x in (job.checkpoint, job.drafter, job.draft_model) if x]
     if len(chosen) != 1:
         raise ConfigError("give exactly one of --checkpoint, --drafter or --draft-model")
-    if job.drafter:
-        drafter_class(job.drafter)  # an unknown name fails before any model is loaded
+    if job.drafter:  # an unknown or trained family fails before any model is loaded
+        _check_training_free(job.drafter)
     target_spec = job.target
     if target_spec is None and job.checkpoint:
         target_spec = read_meta(job.checkpoint).get("target")

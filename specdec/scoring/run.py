@@ -116,10 +116,7 @@ def score(
     """
     settings.check()
     params = settings.params
-    if hasattr(drafter, "use_forward"):
-        drafter.use_forward(settings.draft_forward)
-    if hasattr(drafter, "confidence"):
-        drafter.confidence = settings.draft_confidence
+    drafter.configure(settings.draft_forward, settings.draft_confidence)
     eos = eos_token_ids(model, tokenizer)
     target = target_session(model, settings.target_forward, drafter.required_target_layers)
     encoded = [encode_prompt(tokenizer, prompt_messages(row["messages"])) for row in prompts]
@@ -170,8 +167,8 @@ def score(
     result["settings"] = vars(settings).copy()
     result["drafter"] = drafter.name
     # what the drafter applied of the settings (prompt lookup has no forward or confidence)
-    result["draft_forward"] = getattr(drafter, "forward", None)
-    result["draft_confidence"] = getattr(drafter, "confidence", None)
+    result["draft_forward"] = drafter.forward
+    result["draft_confidence"] = drafter.confidence
     result["environment"] = environment(model)
     return result
 

@@ -1,0 +1,380 @@
+"""EAGLE-3: a one-layer draft head that reads the target's own hidden states (Li et al. 2025).
+
+An independent draft model re-learns what the target already computed; EAGLE-3 starts from it.
+The head fuses the target's hidden states of three layers (low, middle, high) at position t,
+reads them beside the embedding of token t + 1, and predicts token t + 2 over a reduced draft
+vocabulary; further draft steps feed the head its own output (the module and its
+training-time test: :mod:`specdec.drafters.eagle3_model`).
+
+Decoding face. The head keeps a KV cache whose first entries ("step 0") come from the target's
+features of the verified prefix. ``propose`` first enters the features the target returned
+since the last round, then drafts a chain on its own outputs (entries after the verified
+prefix); ``commit`` drops those draft entries and queues the target's features of the kept
+positions, which the verify forward already computed. q is the head's distribution over its
+draft vocabulary, put back onto the target's (zero elsewhere), so decoding stays exact.
+
+Checkpoints: ``model.safetensors`` (the head's weights and the ``d2t`` / ``t2d`` vocabulary
+maps, as SpecForge and speculators store them), ``config.json`` (its sizes, the target layers
+and the verifier) and ``drafter.json``. The target's embedding is borrowed, not saved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.config.schema import DrafterConfig, option
+from specdec.config.validation import Invalid
+from specdec.decoding.compact import _linear_transposed
+from specdec.decoding.sampling import SamplingParams, probabilities, sample
+from specdec.decoding.session import Clock
+from specdec.drafters import vocabulary
+from specdec.drafters.base import Proposal, TrainableDrafter
+from specdec.drafters.checkpoint import CHECKPOINT_FILE, read_meta
+from specdec.drafters.eagle3_model import DraftCache, Eagle3Model
+from specdec.errors import ConfigError, ModelError
+from specdec.files import atomic_dir
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+#: how the head runs while decoding; the head is small and always runs in float32
+FORWARDS = ("auto", "float32", "transformers")
+
+
+@dataclass
+class Eagle3Config(DrafterConfig):
+    type: str = option("eagle3", "Drafter family (registry name).")
+    target_layers: list[int] = option(
+        [], "Target layers fused by the head (low, middle, high); []: 2, N/2 and N-3 of an "
+        "N-layer target, as speculators chooses them. Negatives count from the end.",
+    )  # fmt: skip
+    num_layers: int = option(1, "Decoder layers of the head.", ge=1)
+    draft_vocab_size: int | None = option(
+        None, "Output vocabulary: the most frequent target tokens of the training answers; "
+        "null: the target's whole vocabulary.", ge=1,
+    )  # fmt: skip
+    ttt_steps: int = option(
+        3, "Training-time test: steps unrolled on the head's outputs.", ge=1, le=7
+    )
+    step_weight_decay: float = option(
+        0.8, "Loss weight of unrolled step s: decay ** s.", gt=0, le=1
+    )
+    feature_noise: float = option(
+        0.0, "Gaussian noise on the fused target features while training, relative to their "
+        "standard deviation; 0 is off.", ge=0,
+    )  # fmt: skip
+    init_head_from_target: bool = option(
+        True, "Start from the target's read-out: LM head (at the draft tokens) and final norm "
+        "copied, fused features = the highest target layer, decoder layers as identity.",
+    )  # fmt: skip
+
+    def check(self) -> None:
+        if len(set(self.target_layers)) != len(self.target_layers):
+            raise Invalid("drafter.target_layers", f"repeated layers in {self.target_layers}")
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """speculators' choice: layers 2, N // 2 and N - 3 (distinct layers for small targets)."""
+    if num_layers >= 6:
+        return [2, num_layers // 2, num_layers - 3]
+    return list(dict.fromkeys([0, num_layers // 2, num_layers - 1]))
+
+
+class Eagle3Drafter(TrainableDrafter):
+    """The EAGLE-3 head as a drafter.
+
+    Args:
+        model: the head.
+        target_layers: the target layers it fuses (resolved, non-negative).
+        draft_ids: ``[D]`` target ids of its outputs, or None for the full vocabulary.
+        vocab_size: the target's vocabulary size (width of q).
+        step_weight_decay: loss weight of step s is ``decay ** s``.
+    """
+
+    name = "eagle3"
+    config_class = Eagle3Config
+    shift = 1
+
+    def __init__(
+        self,
+        model: Eagle3Model,
+        target_layers: Sequence[int],
+        draft_ids: torch.Tensor | None,
+        vocab_size: int,
+        step_weight_decay: float = 0.8,
+    ):
+        self.model = model
+        self.required_target_layers = tuple(target_layers)
+        self.draft_ids = draft_ids
+        self.vocab_size = vocab_size
+        self.steps = model.cfg["steps"]
+        self.decay = step_weight_decay
+        self.forward, self.confidence = "auto", 0.0
+        self.clock = Clock(model.fc.weight.device)
+        self.seconds = 0.0
+
+    # ------------------------------------------------------------------------------ building
+
+    @classmethod
+    def build(cls, target, cfg: Eagle3Config, token_counts=None) -> Eagle3Drafter:
+        """A fresh head for ``target``, ready to train, on the target's device."""
+        layers = cfg.target_layers or default_layers(target.num_layers)
+        try:
+            layers = [target.resolve_layers([i])[0] for i in layers]
+        except ModelError as err:
+            raise ConfigError(f"drafter.target_layers: {err}") from None
+        draft_ids = vocabulary.draft_vocab(target, cfg.draft_vocab_size, token_counts)
+        size = target.vocab_size if draft_ids is None else len(draft_ids)
+        head_cfg = _head_config(target, len(layers), cfg.num_layers, size, cfg.ttt_steps)
+        model = _new_model(target, head_cfg)
+        if cfg.init_head_from_target:
+            _init_from_target(model, target, draft_ids)
+        model.feature_noise = cfg.feature_noise
+        model.to(target.device)
+        return cls(model, layers, draft_ids, target.vocab_size, cfg.step_weight_decay)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, target) -> Eagle3Drafter:
+        """Load a checkpoint written by :meth:`save` for ``target``.
+
+        Raises:
+            ModelError: not an eagle3 checkpoint, or its weights or sizes do not fit.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        meta = read_meta(path)
+        if meta.get("type") != cls.name:
+            raise ModelError(f"{path}: a '{meta.get('type')}' checkpoint, not '{cls.name}'")
+        try:
+            saved = json.loads((path / CONFIG_FILE).read_text())
+            head_cfg, layers = saved["head"], saved["target_layers"]
+            state = load_file(path / WEIGHTS_FILE)
+        except (OSError, ValueError, KeyError, SafetensorError) as err:
+            raise ModelError(f"{path}: unreadable eagle3 checkpoint ({err})") from None
+        if head_cfg["target_hidden_size"] != target.hidden_size or max(layers) >= target.num_layers:
+            raise ModelError(
+                f"{path}: made for a target with hidden size {head_cfg['target_hidden_size']} "
+                f"reading layers {layers}; {target.name} has {target.hidden_size} and "
+                f"{target.num_layers} layers"
+            )
+        draft_ids = vocabulary.from_d2t(state.pop("d2t")) if "d2t" in state else None
+        state.pop("t2d", None)
+        if draft_ids is not None and int(draft_ids.max()) >= target.vocab_size:
+            raise ModelError(f"{path}: its draft vocabulary does not fit the target's")
+        model = _new_model(target, head_cfg)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise ModelError(f"{path}: weights do not fit the config: {err}") from None
+        model.to(target.device)
+        decay = saved.get("step_weight_decay", 0.8)
+        return cls(model, layers, draft_ids, target.vocab_size, decay)
+
+    def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
+        """Write a checkpoint directory atomically: it is complete or it does not exist."""
+        from safetensors.torch import save_file
+
+        import specdec
+
+        meta = {
+            "type": self.name,
+            "target": target_name,
+            "draft_vocab_size": None if self.draft_ids is None else len(self.draft_ids),
+            "target_layers": list(self.required_target_layers),
+            "specdec_version": specdec.__version__,
+        }
+        if clash := set(meta) & set(extra or {}):
+            raise ValueError(f"extra entries would overwrite {sorted(clash)}")
+        meta.update(extra or {})
+        state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+        if self.draft_ids is not None:
+            state["d2t"] = vocabulary.d2t(self.draft_ids.cpu())
+            state["t2d"] = vocabulary.t2d(self.draft_ids.cpu(), self.vocab_size)
+        config = {
+            "head": self.model.cfg,
+            "target_layers": list(self.required_target_layers),
+            "target_vocab_size": self.vocab_size,
+            "step_weight_decay": self.decay,
+        }
+        with atomic_dir(path) as tmp:
+            save_file(state, tmp / WEIGHTS_FILE)
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        return Path(path)
+
+    # ------------------------------------------------------------------------- training face
+
+    @property
+    def module(self) -> Eagle3Model:
+        return self.model
+
+    def step_weights(self) -> torch.Tensor:
+        return self.decay ** torch.arange(self.steps, dtype=torch.float32)
+
+    # ------------------------------------------------------------------------- decoding face
+
+    def configure(self, forward: str = "auto", confidence: float = 0.0) -> None:
+        if forward not in FORWARDS:
+            raise ConfigError(
+                f"draft forward {forward!r}: the eagle3 head decodes in float32 "
+                f"(choose one of {', '.join(FORWARDS)})"
+            )
+        self.forward, self.confidence = forward, confidence
+
+    def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
+        self.model.eval()
+        weight = self.model.fc.weight
+        cpu = weight.device.type == "cpu" and self.forward != "transformers"
+        self.linear = _linear_transposed if cpu else torch.nn.functional.linear
+        self.cache = DraftCache(self.model, weight.dtype)
+        self.verified = 0  # cache entries made from the target's features (step 0)
+        self.pending = self._fuse(target_features)  # [m, H] features not yet entered
+
+    @torch.inference_mode()
+    def _fuse(self, features: dict | None) -> torch.Tensor:
+        if not features:
+            raise ModelError("the eagle3 head needs the target's hidden states")
+        return self.model.fuse([features[i] for i in self.required_target_layers])
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        sequence: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        t0 = self.clock()
+        model, m, start = self.model, self.pending.shape[0], self.verified
+        if start + m != len(sequence) - 1:
+            raise ModelError(
+                f"eagle3 head out of step: {start + m} positions of features for a sequence "
+                f"of {len(sequence)} tokens"
+            )
+        # step 0: entry at position j reads the target's features at j and the token j + 1
+        ids = torch.as_tensor(sequence[start + 1 :], device=self.pending.device)
+        x = model.decode(model.embedding(ids), self.pending, start, self.cache, self.linear)[-1:]
+        self.verified, self.pending = start + m, self.pending[:0]
+        tokens, dists, chain = [], [], 1.0
+        for i in range(k):
+            logits = model.logits(x, self.linear)[0].float()  # [D]
+            if params.greedy:
+                choice = logits.argmax(dim=-1)
+            else:
+                q = probabilities(logits, params)
+                choice = sample(q, generator)
+                dists.append(q)
+            token = choice if self.draft_ids is None else self.draft_ids[choice]
+            tokens.append(token)
+            if self.confidence > 0:
+                p = torch.softmax(logits, -1)[choice] if params.greedy else q[choice]
+                chain *= float(p)
+                if chain < self.confidence:
+                    break
+            if i + 1 < k:  # the next entry reads the drafted token and the head's own output
+                x = model.decode(
+                    model.embedding(token.view(1)), x, self.verified + i, self.cache, self.linear
+                )
+        self.seconds += self.clock() - t0
+        draft = torch.stack(tokens)
+        q = (
+            vocabulary.to_target(torch.stack(dists), self.draft_ids, self.vocab_size)
+            if dists
+            else None
+        )
+        return Proposal(draft, q)
+
+    def commit(self, num_accepted: int, target_features: dict | None = None) -> None:
+        t0 = self.clock()
+        self.cache.length = self.verified  # the draft's own entries go
+        self.pending = torch.cat([self.pending, self._fuse(target_features)])
+        self.seconds += self.clock() - t0
+
+    @property
+    def draft_seconds(self) -> float:
+        return self.seconds
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _head_config(target, num_features: int, num_layers: int, vocab: int, steps: int) -> dict:
+    text = target.config.get_text_config()
+    heads = text.num_attention_heads
+    return {
+        "hidden_size": text.hidden_size,
+        "target_hidden_size": text.hidden_size,
+        "num_features": num_features,
+        "heads": heads,
+        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "intermediate_size": text.intermediate_size,
+        "num_layers": num_layers,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "attention_bias": bool(getattr(text, "attention_bias", False)),
+        "draft_vocab_size": vocab,
+        "steps": steps,
+        "max_position_embeddings": getattr(text, "max_position_embeddings", 8192),
+        "rope_parameters": _rope_parameters(text),
+    }
+
+
+def _rope_parameters(text) -> dict:
+    """The target's rotary settings (of its full-attention layers where they differ)."""
+    params = getattr(text, "rope_parameters", None) or {}
+    if "full_attention" in params:
+        params = params["full_attention"]
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    return dict(params)
+
+
+def _new_model(target, cfg: dict) -> Eagle3Model:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaConfig(
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["heads"],
+        head_dim=cfg["head_dim"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rope_parameters=cfg["rope_parameters"],
+    )
+    with torch.device("cpu"):
+        model = Eagle3Model(cfg, target.model.get_input_embeddings(), LlamaRotaryEmbedding(rope))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+    return model
+
+
+@torch.no_grad()
+def _init_from_target(model: Eagle3Model, target, draft_ids: torch.Tensor | None) -> None:
+    """Start where the target's own read-out is: the fused features are the highest target
+    layer's, the decoder layers add nothing yet (zero output projections), and the final norm
+    and LM head are the target's. The head then predicts what the target's logit lens on that
+    layer predicts, a far better start than a confident random guess."""
+    fc, size = model.fc.weight, model.cfg["hidden_size"]
+    if model.cfg["target_hidden_size"] == size:
+        fc.zero_()
+        fc[:, -size:] = torch.eye(size, dtype=fc.dtype)
+    for layer in model.layers:
+        layer.o_proj.weight.zero_()
+        layer.down_proj.weight.zero_()
+    head = target.model.get_output_embeddings().weight
+    model.lm_head.weight.copy_(head if draft_ids is None else head[draft_ids.to(head.device)])
+    norm = getattr(target.model.get_decoder(), "norm", None)
+    if norm is not None and norm.weight.shape == model.norm.weight.shape:
+        model.norm.weight.copy_(norm.weight)
