@@ -152,7 +152,7 @@ def test_bad_literal_lists_allowed_values(write):
 def test_bad_choice(write):
     path = write("drafter: {type: eagle}")
     msg = error_of(path)
-    assert msg.startswith(f"{path}: drafter.type: expected one of 'draft_model', 'medusa'")
+    assert msg.startswith(f"{path}: drafter.type: expected one of 'draft_model', 'eagle3'")
     assert msg.endswith("got 'eagle' (did you mean 'eagle3'?)")
     path = write("export: {formats: [hf, vllm]}")
     assert error_of(path).startswith(f"{path}: export.formats[1]: expected one of 'hf'")
@@ -214,7 +214,7 @@ def test_range_checks_in_files(write):
 
 
 def test_cross_field_checks(write):
-    path = write("drafter: {min_ngram: 4, max_ngram: 2}")
+    path = write("drafter: {type: prompt_lookup, min_ngram: 4, max_ngram: 2}")
     assert error_of(path) == f"{path}: drafter.max_ngram: expected >= drafter.min_ngram (4), got 2"
     path = write("drafter: {num_layers: 2, init_layers: [0, 1, 2]}")
     assert error_of(path) == (
@@ -222,11 +222,14 @@ def test_cross_field_checks(write):
     )
     msg = error_of(None, ["loss.mix={jsd: 0}"])
     assert msg == "--set loss.mix={jsd: 0}: expected weights with a positive sum"
-    msg = error_of(None, ["drafter.min_ngram=5"])
+    msg = error_of(None, ["drafter={type: prompt_lookup}", "drafter.min_ngram=5"])
     assert (
         msg
         == "--set drafter.min_ngram=5: drafter.max_ngram: expected >= drafter.min_ngram (5), got 3"
     )
+    # a family's keys belong to its section only
+    path = write("drafter: {type: eagle3, max_ngram: 2}")
+    assert error_of(path) == f"{path}: drafter.max_ngram: unknown key"
 
 
 def test_overrides(write):

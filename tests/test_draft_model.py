@@ -9,13 +9,13 @@ import tiny_models
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec.config import DrafterConfig
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
 from specdec.drafters.draft_model import (
     CHECKPOINT_FILE,
     VOCAB_MAP_FILE,
+    DraftModelConfig,
     DraftModelDrafter,
     build_draft_model,
     load_draft_model,
@@ -53,7 +53,7 @@ def same(a: dict, b: dict) -> bool:
 
 
 def test_build_copies_the_chosen_target_layers(target):
-    drafter = build_draft_model(target, DrafterConfig(num_layers=2, init_layers=[-1, 0]))
+    drafter = build_draft_model(target, DraftModelConfig(num_layers=2, init_layers=[-1, 0]))
     model = drafter.model
     assert type(model) is type(target.model) and model.config.num_hidden_layers == 2
     assert same(layer(model, 0), layer(target.model, 1))
@@ -65,36 +65,41 @@ def test_build_copies_the_chosen_target_layers(target):
     assert same(model.get_decoder().norm.state_dict(), target.model.get_decoder().norm.state_dict())
     assert drafter.vocab_map is None and drafter.tokenizer is target.tokenizer
     assert not any(p.requires_grad for p in target.model.parameters())
-    assert len(drafter.trainable_parameters()) == len(list(model.parameters()))
+    trainable = [p for p in drafter.module.parameters() if p.requires_grad]
+    assert len(trainable) == len(list(model.parameters()))
     ids = torch.randint(0, target.vocab_size, (2, 5))
-    assert torch.equal(drafter.restrict(target(ids).logits), target(ids).logits)
+    teacher = drafter.teacher(target(ids).logits, torch.ones_like(ids))
+    # one step; row t is the target's distribution after token t, trained where t + 1 counts
+    want = torch.log_softmax(target(ids).logits, -1)
+    torch.testing.assert_close(teacher.log_probs[0], want)
+    assert teacher.mask[0].tolist() == [[True] * 4 + [False]] * 2
 
 
 def test_build_spreads_layers_or_starts_from_random(llama):
-    spread = build_draft_model(llama, DrafterConfig(num_layers=2))
+    spread = build_draft_model(llama, DraftModelConfig(num_layers=2))
     assert same(layer(spread.model, 0), layer(llama.model, 0))
     assert same(layer(spread.model, 1), layer(llama.model, 1))
-    one = build_draft_model(llama, DrafterConfig(num_layers=1))
+    one = build_draft_model(llama, DraftModelConfig(num_layers=1))
     assert same(layer(one.model, 0), layer(llama.model, 0))
-    fresh = build_draft_model(llama, DrafterConfig(num_layers=1, init_from_target=False))
+    fresh = build_draft_model(llama, DraftModelConfig(num_layers=1, init_from_target=False))
     assert not torch.equal(fresh.model.lm_head.weight, llama.model.lm_head.weight)
     ids = torch.randint(0, llama.vocab_size, (2, 5))
-    assert fresh.train_logits(ids, torch.ones_like(ids)).shape == (2, 5, llama.vocab_size)
+    assert fresh.module(ids, torch.ones_like(ids))[0].shape == (2, 5, llama.vocab_size)
 
 
 def test_changed_sizes(llama):
     with pytest.raises(ConfigError, match=r"drafter\.hidden_size: 16 differs .* 32"):
-        build_draft_model(llama, DrafterConfig(num_layers=1, hidden_size=16))
-    cfg = DrafterConfig(num_layers=1, hidden_size=16, num_attention_heads=2, init_from_target=False)
+        build_draft_model(llama, DraftModelConfig(num_layers=1, hidden_size=16))
+    cfg = DraftModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, init_from_target=False)
     small = build_draft_model(llama, cfg)
     assert small.model.config.head_dim == 8
-    assert small.train_logits(torch.tensor([[1, 2, 3]])).shape == (1, 3, llama.vocab_size)
-    narrow = build_draft_model(llama, DrafterConfig(num_layers=1, intermediate_size=16))
+    assert small.module(torch.tensor([[1, 2, 3]]))[0].shape == (1, 3, llama.vocab_size)
+    narrow = build_draft_model(llama, DraftModelConfig(num_layers=1, intermediate_size=16))
     assert torch.equal(narrow.model.lm_head.weight, llama.model.lm_head.weight)
     with pytest.raises(ConfigError, match=r"drafter\.init_layers"):
-        build_draft_model(llama, DrafterConfig(num_layers=1, intermediate_size=16, init_layers=[0]))
+        build_draft_model(llama, DraftModelConfig(num_layers=1, intermediate_size=16, init_layers=[0]))
     with pytest.raises(ConfigError, match=r"drafter\.init_layers: hidden layer 5 out of range"):
-        build_draft_model(llama, DrafterConfig(num_layers=1, init_layers=[5]))
+        build_draft_model(llama, DraftModelConfig(num_layers=1, init_layers=[5]))
 
 
 def test_per_layer_config_lists_follow_the_chosen_layers():
@@ -107,15 +112,15 @@ def test_per_layer_config_lists_follow_the_chosen_layers():
     torch.manual_seed(0)
     target = FrozenTarget(Qwen2ForCausalLM(config), tokenizer)
     assert target.config.layer_types == ["full_attention"] + ["sliding_attention"] * 2
-    two = build_draft_model(target, DrafterConfig(num_layers=2, init_layers=[0, -1])).model.config
+    two = build_draft_model(target, DraftModelConfig(num_layers=2, init_layers=[0, -1])).model.config
     assert two.layer_types == ["full_attention", "sliding_attention"] and two.max_window_layers == 1
-    one = build_draft_model(target, DrafterConfig(num_layers=1, init_layers=[2])).model.config
+    one = build_draft_model(target, DraftModelConfig(num_layers=1, init_layers=[2])).model.config
     assert one.layer_types == ["sliding_attention"] and one.max_window_layers == 0
 
 
 def test_reduced_vocabulary(target):
     counts = token_counts(target)
-    drafter = build_draft_model(target, DrafterConfig(num_layers=1, draft_vocab_size=D), counts)
+    drafter = build_draft_model(target, DraftModelConfig(num_layers=1, draft_vocab_size=D), counts)
     vocab_map = drafter.vocab_map
     assert vocab_map.shape == (D,) and torch.equal(vocab_map, vocab_map.sort().values)
     added = target.tokenizer.added_tokens_decoder  # chat markers, EOS, padding
@@ -132,20 +137,26 @@ def test_reduced_vocabulary(target):
     assert torch.equal(head.weight, target.model.lm_head.weight[vocab_map])
     assert head.weight.data_ptr() != drafter.model.get_input_embeddings().weight.data_ptr()
     ids = torch.randint(0, target.vocab_size, (2, 6))
-    assert drafter.train_logits(ids, torch.ones_like(ids)).shape == (2, 6, D)
+    assert drafter.module(ids, torch.ones_like(ids)).shape == (1, 2, 6, D)
     full = target(ids).logits
-    assert torch.equal(drafter.restrict(full), full[..., vocab_map])
+    teacher = drafter.teacher(full, torch.ones_like(ids))
+    # the target's full-vocabulary log-probabilities read at the draft's tokens
+    torch.testing.assert_close(teacher.log_probs[0], torch.log_softmax(full, -1)[..., vocab_map])
+    best = full.argmax(-1)
+    inside = torch.isin(best, vocab_map)
+    assert torch.equal(teacher.tokens[0] >= 0, inside)
+    assert torch.equal(vocab_map[teacher.tokens[0][inside]], best[inside])
 
     with pytest.raises(ValueError, match="token_counts"):
-        build_draft_model(target, DrafterConfig(num_layers=1, draft_vocab_size=D))
+        build_draft_model(target, DraftModelConfig(num_layers=1, draft_vocab_size=D))
     with pytest.raises(ConfigError, match=r"drafter\.draft_vocab_size"):
-        build_draft_model(target, DrafterConfig(num_layers=1, draft_vocab_size=2), counts)
-    cfg = DrafterConfig(num_layers=1, draft_vocab_size=target.vocab_size)
+        build_draft_model(target, DraftModelConfig(num_layers=1, draft_vocab_size=2), counts)
+    cfg = DraftModelConfig(num_layers=1, draft_vocab_size=target.vocab_size)
     assert build_draft_model(target, cfg).vocab_map is None
 
 
 def test_reduced_vocabulary_decoding_is_exact(target):
-    cfg = DrafterConfig(num_layers=1, draft_vocab_size=D)
+    cfg = DraftModelConfig(num_layers=1, draft_vocab_size=D)
     drafter = build_draft_model(target, cfg, token_counts(target))
     session = ModelSession(target.model)
     prompt = target.tokenizer("The quick brown fox").input_ids
@@ -162,7 +173,7 @@ def test_reduced_vocabulary_decoding_is_exact(target):
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["full", "reduced"])
 def test_save_load_round_trip(target, tmp_path, reduced):
-    cfg = DrafterConfig(num_layers=1, draft_vocab_size=D if reduced else None)
+    cfg = DraftModelConfig(num_layers=1, draft_vocab_size=D if reduced else None)
     drafter = build_draft_model(target, cfg, token_counts(target))
     with torch.no_grad():  # as if trained: the copy of the target must not be what is compared
         drafter.model.get_decoder().layers[0].mlp.up_proj.weight.mul_(1.5)
@@ -176,7 +187,7 @@ def test_save_load_round_trip(target, tmp_path, reduced):
     loaded = DraftModelDrafter.from_checkpoint(str(path), target)
     ids = torch.randint(0, target.vocab_size, (2, 7))
     with torch.no_grad():
-        assert torch.equal(loaded.train_logits(ids), drafter.train_logits(ids))
+        assert torch.equal(loaded.module(ids)[0], drafter.module(ids)[0])
     if reduced:
         assert torch.equal(loaded.vocab_map, drafter.vocab_map)
         with pytest.raises(ModelError, match="specdec's decoder"):
@@ -188,7 +199,7 @@ def test_save_load_round_trip(target, tmp_path, reduced):
 
 
 def test_save_is_atomic(llama, tmp_path, monkeypatch):
-    drafter = build_draft_model(llama, DrafterConfig(num_layers=1))
+    drafter = build_draft_model(llama, DraftModelConfig(num_layers=1))
     path = drafter.save(tmp_path / "ckpt", target_name="tiny", extra={"step": 1})
 
     def broken(self, directory, **kwargs):
@@ -209,7 +220,7 @@ def test_save_is_atomic(llama, tmp_path, monkeypatch):
 
 
 def test_full_vocabulary_checkpoint_is_a_plain_assistant_model(target, tmp_path):
-    drafter = build_draft_model(target, DrafterConfig(num_layers=1))
+    drafter = build_draft_model(target, DraftModelConfig(num_layers=1))
     path = drafter.save(tmp_path / "ckpt", target_name="tiny")
     draft = AutoModelForCausalLM.from_pretrained(path)
     assert type(draft) is type(target.model)
@@ -236,7 +247,7 @@ def test_from_checkpoint_refuses_other_checkpoints(llama, tmp_path):
 def test_confidence_stops_the_draft_early_and_keeps_a_prefix(target, temperature):
     """A confident-draft threshold only shortens the proposal: the tokens and the q they were
     sampled from are a prefix of what the same draft proposes without it."""
-    cfg = DrafterConfig(num_layers=1, draft_vocab_size=D)
+    cfg = DraftModelConfig(num_layers=1, draft_vocab_size=D)
     drafter = build_draft_model(target, cfg, token_counts(target))
     params = SamplingParams(temperature=temperature)
     sequence = target.tokenizer("The quick brown fox").input_ids
@@ -260,7 +271,7 @@ def test_confidence_stops_the_draft_early_and_keeps_a_prefix(target, temperature
 
 
 def test_greedy_decoding_with_a_confident_draft_is_exact(target):
-    cfg = DrafterConfig(num_layers=1, draft_vocab_size=D)
+    cfg = DraftModelConfig(num_layers=1, draft_vocab_size=D)
     drafter = build_draft_model(target, cfg, token_counts(target))
     drafter.confidence = 0.3
     session = ModelSession(target.model)

@@ -9,8 +9,7 @@ import tiny_models
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.config import DrafterConfig
-from specdec.drafters.draft_model import build_draft_model
+from specdec.drafters.draft_model import DraftModelConfig, build_draft_model
 from specdec.errors import ConfigError, ModelError
 from specdec.export import EXPORTERS, export
 from specdec.export.hf import verify_hf
@@ -23,7 +22,7 @@ def target(tiny_model):
 
 
 def test_hf_export_round_trip(target, tmp_path):
-    drafter = build_draft_model(target, DrafterConfig(num_layers=1))
+    drafter = build_draft_model(target, DraftModelConfig(num_layers=1))
     ckpt = drafter.save(tmp_path / "ckpt", target_name="tiny")
     out = export("hf", ckpt, tmp_path / "export" / "hf", target)
     assert out == tmp_path / "export" / "hf" and (out / "tokenizer.json").is_file()
@@ -39,14 +38,14 @@ def test_hf_export_round_trip(target, tmp_path):
 
 def test_hf_verification_catches_a_different_model(tmp_path):
     target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
-    ckpt = build_draft_model(target, DrafterConfig(num_layers=1)).save(
+    ckpt = build_draft_model(target, DraftModelConfig(num_layers=1)).save(
         tmp_path / "ckpt", target_name="tiny"
     )
     out = export("hf", ckpt, tmp_path / "hf", target)
-    other = build_draft_model(target, DrafterConfig(num_layers=1, init_from_target=False))
+    other = build_draft_model(target, DraftModelConfig(num_layers=1, init_from_target=False))
     with pytest.raises(ModelError, match="logits differ"):
         verify_hf(out, other.model, target.tokenizer)
-    deeper = build_draft_model(target, DrafterConfig(num_layers=2)).model
+    deeper = build_draft_model(target, DraftModelConfig(num_layers=2)).model
     with pytest.raises(ModelError, match="keys differ"):
         verify_hf(out, deeper, target.tokenizer)
 
@@ -54,7 +53,7 @@ def test_hf_verification_catches_a_different_model(tmp_path):
 def test_reduced_vocabulary_is_not_exported(tmp_path):
     target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
     counts = torch.ones(target.vocab_size)
-    cfg = DrafterConfig(num_layers=1, draft_vocab_size=48)
+    cfg = DraftModelConfig(num_layers=1, draft_vocab_size=48)
     ckpt = build_draft_model(target, cfg, counts).save(tmp_path / "ckpt", target_name="tiny")
     with pytest.raises(ModelError, match="needs specdec's decoder, or re-training"):
         export("hf", ckpt, tmp_path / "hf", target)

@@ -116,7 +116,7 @@ def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path):
 
     target = FrozenTarget.from_config(recipe.target)
     from specdec.data.build import load_training_data
-    from specdec.training.loop import token_counts
+    from specdec.drafters.vocabulary import token_counts
 
     dataset, _ = load_training_data(recipe, target.tokenizer)
     fresh = build_draft_model(target, recipe.drafter, token_counts(dataset, target.vocab_size))

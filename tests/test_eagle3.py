@@ -1,0 +1,259 @@
+"""The eagle3 family on tiny targets: training-time test equals cached decoding, the teacher's
+step shift, exact greedy and sampled decoding (a reduced draft vocabulary included), the
+vocabulary maps and checkpoints."""
+
+import json
+
+import numpy as np
+import pytest
+import tiny_models
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+from specdec import drafters
+from specdec.decoding.compact import target_session
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.speculative import generate
+from specdec.drafters.eagle3 import Eagle3Config, default_layers
+from specdec.drafters.eagle3_model import DraftCache
+from specdec.errors import ModelError
+from specdec.target import FrozenTarget
+
+PROMPTS = ["Tell me about the sea.", "def add(a, b):", "List three colors, please."]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def target(request):
+    build = tiny_models.tiny_llama if request.param == "llama" else tiny_models.tiny_qwen2
+    return FrozenTarget(*build(), name=f"tiny-{request.param}")
+
+
+def counts(target) -> torch.Tensor:
+    """Token counts that make a reduced vocabulary of the low ids (plus the specials)."""
+    return torch.arange(target.vocab_size, 0, -1).float()
+
+
+def head(target, seed: int = 0, **cfg) -> drafters.Drafter:
+    torch.manual_seed(seed)
+    drafter = drafters.build(target, Eagle3Config(**cfg), counts(target))
+    with torch.no_grad():  # leave the identity start: every weight matters in these tests
+        for p in drafter.module.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return drafter
+
+
+def features(target, drafter, ids):
+    out = target.forward(ids, hidden_layers=drafter.required_target_layers)
+    return out, [out.hidden_states[i] for i in drafter.required_target_layers]
+
+
+@torch.no_grad()
+def test_training_time_test_equals_cached_decoding(target):
+    """Step s at row t of the unrolled training forward is the head decoding with its KV cache:
+    the verified prefix entered from the target's features, then s entries of its own."""
+    drafter = head(target, draft_vocab_size=64, ttt_steps=3)
+    model = drafter.module.eval()
+    ids = torch.randint(0, target.vocab_size, (1, 14), generator=torch.Generator().manual_seed(1))
+    _, feats = features(target, drafter, ids)
+    unrolled = model(ids, torch.ones_like(ids), feats)  # [3, 1, 14, 64]
+    for t in (0, 5, 9):
+        cache = DraftCache(model, torch.float32)
+        fused = model.fuse([f[0, : t + 1] for f in feats])
+        x = model.decode(model.embedding(ids[0, 1 : t + 2]), fused, 0, cache)[-1:]
+        for s in range(3):
+            torch.testing.assert_close(model.logits(x)[0], unrolled[s, 0, t], atol=1e-5, rtol=1e-4)
+            token = ids[0, t + 2 + s : t + 3 + s]  # the data's token, as in training
+            x = model.decode(model.embedding(token), x, t + 1 + s, cache)
+
+
+def test_teacher_is_the_target_shifted_by_one_plus_step(target):
+    drafter = head(target, draft_vocab_size=64, ttt_steps=3)
+    ids = torch.randint(0, target.vocab_size, (2, 9))
+    logits = target.forward(ids).logits
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    teacher = drafter.teacher(logits, loss_mask)
+    assert teacher.log_probs.shape == (3, 2, 9, 64) and teacher.mask.shape == (3, 2, 9)
+    ids_d = drafter.draft_ids
+    full = torch.log_softmax(logits.float(), -1)
+    for s in range(3):
+        for t in range(9):
+            # step s at row t predicts token t + 2 + s: the target's row t + 1 + s
+            if t + 2 + s < 9:
+                torch.testing.assert_close(teacher.log_probs[s, :, t], full[:, t + 1 + s, ids_d])
+                assert teacher.mask[s, :, t].tolist() == loss_mask[:, t + 2 + s].bool().tolist()
+            else:
+                assert not teacher.mask[s, :, t].any()
+
+
+def test_vocabulary_maps(target):
+    from specdec.drafters import vocabulary
+
+    drafter = head(target, draft_vocab_size=64)
+    ids = drafter.draft_ids
+    d2t, t2d = vocabulary.d2t(ids), vocabulary.t2d(ids, target.vocab_size)
+    assert len(ids) == 64 and bool(t2d[torch.arange(64) + d2t].all())
+    assert int(t2d.sum()) == 64
+    assert torch.equal(vocabulary.from_d2t(d2t), ids)
+    specials = set(target.tokenizer.all_special_ids)
+    assert specials <= set(ids.tolist())
+
+
+@pytest.mark.parametrize("forward", ["transformers", "auto"])
+def test_greedy_decoding_is_token_identical(target, forward):
+    drafter = _trained(target)
+    session = target_session(target.model, forward, drafter.required_target_layers)
+    accepted = 0
+    for k, text in zip([1, 3, 5], PROMPTS, strict=True):
+        prompt = target.tokenizer(text)["input_ids"]
+        plain = generate(session, prompt, max_new_tokens=40)
+        for confidence in (0.0, 0.5):
+            drafter.configure("auto", confidence)
+            spec = generate(session, prompt, drafter=drafter, k=k, max_new_tokens=40)
+            assert spec.tokens == plain.tokens
+            accepted += sum(spec.accepted)
+    assert accepted > 10  # the accept path, and commits of several tokens, ran
+
+
+def _pit(model, session, drafter, prompt, params, seeds, temperature):
+    """Randomised probability integral transforms of every emitted token under the target's
+    law at its position (softmax of logits / T, computed here): uniform iff exact."""
+    values = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        out = generate(
+            session, prompt, drafter=drafter, k=3, max_new_tokens=12, params=params, generator=gen
+        )
+        ids = torch.tensor([prompt + out.tokens])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+        p = torch.softmax(logits / temperature, -1)
+        cdf = torch.cumsum(p, -1)
+        rows = torch.arange(len(out.tokens))
+        x = torch.tensor(out.tokens)
+        below = cdf[rows, x] - p[rows, x]
+        u = torch.rand(len(x), generator=torch.Generator().manual_seed(10_000 + seed)).double()
+        values += (below + u * p[rows, x]).tolist()
+    return np.array(values)
+
+
+def peaked_target() -> FrozenTarget:
+    """The tiny Llama with its head scaled up: confident distributions, as trained models have
+    (a random tiny model is nearly uniform, where any q passes the acceptance test)."""
+    model, tokenizer = tiny_models.tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)
+    return FrozenTarget(model, tokenizer, name="tiny-peaked")
+
+
+def _uniform_pvalue(values: np.ndarray, bins: int = 20) -> float:
+    observed = np.histogram(values, bins=bins, range=(0, 1))[0]
+    return float(chisquare(observed).pvalue)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_tokens_follow_the_target(temperature):
+    target = peaked_target()
+    drafter = _trained(target)
+    session = target_session(target.model, "auto", drafter.required_target_layers)
+    prompt = target.tokenizer(PROMPTS[0])["input_ids"]
+    params = SamplingParams(temperature)
+    values = _pit(target.model, session, drafter, prompt, params, range(600), temperature)
+    assert len(values) >= 6000
+    assert _uniform_pvalue(values) > 1e-3
+
+
+def test_mislabelled_draft_distribution_is_caught(monkeypatch):
+    """The same test fails when q is put back onto the wrong target ids: it has the power."""
+    from specdec.drafters import vocabulary
+
+    target = peaked_target()
+    drafter = _trained(target)
+    wrong = drafter.draft_ids.roll(1)
+    real = vocabulary.to_target
+
+    def mislabelled(q, draft_ids, size):
+        return real(q, wrong, size)
+
+    session = target_session(target.model, "auto", drafter.required_target_layers)
+    prompt = target.tokenizer(PROMPTS[0])["input_ids"]
+    monkeypatch.setattr(vocabulary, "to_target", mislabelled)
+    values = _pit(target.model, session, drafter, prompt, SamplingParams(1.0), range(300), 1.0)
+    assert _uniform_pvalue(values) < 1e-6
+
+
+_TRAINED: dict = {}
+
+
+def _trained(target):
+    """A head fitted for a few hundred steps to the target's own greedy continuations (so
+    it agrees with the target often enough for the accept paths to run), cached per target."""
+    if target.name in _TRAINED:
+        return _TRAINED[target.name]
+    drafter = head(target, seed=3, draft_vocab_size=96, ttt_steps=2)
+    model = drafter.module.train()
+    rows = []
+    for text in PROMPTS:
+        prompt = target.tokenizer(text)["input_ids"]
+        out = target.model.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40
+        )
+        rows.append(out[0, :48])
+    ids = torch.stack(rows)
+    out, feats = features(target, drafter, ids)
+    teacher = drafter.teacher(out.logits, torch.ones_like(ids))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        logits = model(ids, torch.ones_like(ids), feats)
+        loss = -(teacher.log_probs.exp() * torch.log_softmax(logits, -1)).sum(-1)
+        loss = loss[teacher.mask].mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    _TRAINED[target.name] = drafter
+    return drafter
+
+
+def test_checkpoint_round_trip_and_refusals(target, tmp_path):
+    drafter = head(target, draft_vocab_size=64, ttt_steps=2)
+    path = drafter.save(tmp_path / "ckpt", target_name=target.name, extra={"step": 3})
+    meta = json.loads((path / "drafter.json").read_text())
+    assert meta["type"] == "eagle3" and meta["step"] == 3 and meta["draft_vocab_size"] == 64
+    state = load_file(path / "model.safetensors")
+    assert not any(k.startswith("embed") for k in state)  # the target's embedding is borrowed
+    assert torch.equal(state["d2t"] + torch.arange(64), drafter.draft_ids)
+    loaded = drafters.load(path, target)
+    ids = torch.randint(0, target.vocab_size, (2, 10))
+    _, feats = features(target, drafter, ids)
+    with torch.no_grad():
+        want = drafter.module.eval()(ids, None, feats)
+        assert torch.equal(loaded.module.eval()(ids, None, feats), want)
+    assert loaded.required_target_layers == drafter.required_target_layers
+
+    del state["lm_head.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelError, match="lm_head.weight"):
+        drafters.load(path, target)
+    (path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelError, match="unreadable"):
+        drafters.load(path, target)
+
+
+def test_checkpoint_of_another_target_is_refused(tmp_path):
+    llama = FrozenTarget(*tiny_models.tiny_llama(), name="llama")
+    drafter = head(llama)
+    drafter.save(tmp_path / "ckpt", target_name="llama")
+    config = tiny_models.tiny_llama()[0].config
+    config.hidden_size, config.intermediate_size = 48, 96
+    from transformers import LlamaForCausalLM
+
+    wider = FrozenTarget(LlamaForCausalLM(config).eval(), llama.tokenizer, name="wider")
+    with pytest.raises(ModelError, match="hidden size 32"):
+        drafters.load(tmp_path / "ckpt", wider)
+
+
+def test_default_layers_are_low_middle_high():
+    assert default_layers(30) == [2, 15, 27]
+    assert default_layers(32) == [2, 16, 29]
+    assert default_layers(2) == [0, 1]
