@@ -126,15 +126,27 @@ def _train(args: argparse.Namespace) -> None:
 
 def _export(args: argparse.Namespace) -> None:
     from specdec.drafters import read_meta
-    from specdec.export import export
+    from specdec.export import EXPORTERS, export
     from specdec.target import FrozenTarget
 
+    if args.format not in EXPORTERS:
+        export(args.format, args.checkpoint, "", None)  # one line naming the known formats
     meta = read_meta(args.checkpoint)
+    out = args.out or str(Path(args.checkpoint).resolve().parent.parent / "export" / args.format)
+    _check_export_out(out, args.force)
     target = FrozenTarget.load(
         args.target or meta.get("target") or "smollm2-135m-instruct", cache_dir=args.cache_dir
     )
-    out = args.out or str(Path(args.checkpoint).resolve().parent.parent / "export" / args.format)
     print(f"exported and verified: {export(args.format, args.checkpoint, out, target)}")
+
+
+def _check_export_out(out: str, force: bool) -> None:
+    """An export never replaces what a user owns unless told to."""
+    if force:
+        return
+    path = Path(out)
+    if path.is_file() or (path.is_dir() and any(path.iterdir())):
+        raise SpecdecError(f"--out {out}: exists and is not empty; pass --force to replace it")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -228,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="export a checkpoint for a serving engine or transformers")
     e.add_argument("--checkpoint", required=True, help="a drafter checkpoint directory")
-    e.add_argument("--format", default="hf", help="hf (more formats arrive with their drafters)")
+    e.add_argument(
+        "--format", default="hf", help="hf (a draft model), speculators or sglang (EAGLE-3 heads)"
+    )
+    e.add_argument("--force", action="store_true", help="replace an existing --out directory")
     e.add_argument("--out", help="export directory (default: <run dir>/export/<format>)")
     e.add_argument("--target", help="target model (default: the checkpoint's)")
     e.add_argument("--cache-dir")

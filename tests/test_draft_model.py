@@ -90,14 +90,18 @@ def test_build_spreads_layers_or_starts_from_random(llama):
 def test_changed_sizes(llama):
     with pytest.raises(ConfigError, match=r"drafter\.hidden_size: 16 differs .* 32"):
         build_draft_model(llama, DraftModelConfig(num_layers=1, hidden_size=16))
-    cfg = DraftModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, init_from_target=False)
+    cfg = DraftModelConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, init_from_target=False
+    )
     small = build_draft_model(llama, cfg)
     assert small.model.config.head_dim == 8
     assert small.module(torch.tensor([[1, 2, 3]]))[0].shape == (1, 3, llama.vocab_size)
     narrow = build_draft_model(llama, DraftModelConfig(num_layers=1, intermediate_size=16))
     assert torch.equal(narrow.model.lm_head.weight, llama.model.lm_head.weight)
     with pytest.raises(ConfigError, match=r"drafter\.init_layers"):
-        build_draft_model(llama, DraftModelConfig(num_layers=1, intermediate_size=16, init_layers=[0]))
+        build_draft_model(
+            llama, DraftModelConfig(num_layers=1, intermediate_size=16, init_layers=[0])
+        )
     with pytest.raises(ConfigError, match=r"drafter\.init_layers: hidden layer 5 out of range"):
         build_draft_model(llama, DraftModelConfig(num_layers=1, init_layers=[5]))
 
@@ -112,7 +116,9 @@ def test_per_layer_config_lists_follow_the_chosen_layers():
     torch.manual_seed(0)
     target = FrozenTarget(Qwen2ForCausalLM(config), tokenizer)
     assert target.config.layer_types == ["full_attention"] + ["sliding_attention"] * 2
-    two = build_draft_model(target, DraftModelConfig(num_layers=2, init_layers=[0, -1])).model.config
+    two = build_draft_model(
+        target, DraftModelConfig(num_layers=2, init_layers=[0, -1])
+    ).model.config
     assert two.layer_types == ["full_attention", "sliding_attention"] and two.max_window_layers == 1
     one = build_draft_model(target, DraftModelConfig(num_layers=1, init_layers=[2])).model.config
     assert one.layer_types == ["sliding_attention"] and one.max_window_layers == 0

@@ -254,6 +254,6 @@ def test_checkpoint_of_another_target_is_refused(tmp_path):
 
 
 def test_default_layers_are_low_middle_high():
-    assert default_layers(30) == [2, 15, 27]
-    assert default_layers(32) == [2, 16, 29]
+    assert default_layers(30) == [1, 14, 26]  # vLLM's aux layers 2, 15, 27 (their inputs)
+    assert default_layers(32) == [1, 15, 28]
     assert default_layers(2) == [0, 1]

@@ -103,6 +103,16 @@ class Drafter:
             "the target's vocabulary"
         )
 
+    def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
+        """``(config.json, weights)`` of the drafter in a serving engine's layout ``fmt``.
+
+        Raises:
+            ModelError: the family has no such layout.
+        """
+        from specdec.errors import ModelError
+
+        raise ModelError(f"a '{self.name}' drafter has no '{fmt}' layout")
+
 
 @dataclass
 class Teacher:

@@ -34,6 +34,7 @@ from specdec.config.validation import Invalid
 from specdec.decoding.compact import _linear_transposed
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
 from specdec.decoding.session import Clock
+from specdec.drafters import eagle3_layouts as layouts
 from specdec.drafters import vocabulary
 from specdec.drafters.base import Proposal, TrainableDrafter
 from specdec.drafters.checkpoint import CHECKPOINT_FILE, read_meta
@@ -53,8 +54,9 @@ FORWARDS = ("auto", "float32", "transformers")
 class Eagle3Config(DrafterConfig):
     type: str = option("eagle3", "Drafter family (registry name).")
     target_layers: list[int] = option(
-        [], "Target layers fused by the head (low, middle, high); []: 2, N/2 and N-3 of an "
-        "N-layer target, as speculators chooses them. Negatives count from the end.",
+        [], "Target layers fused by the head (low, middle, high), by output; []: 1, N/2-1 and "
+        "N-4 of an N-layer target (the inputs of layers 2, N/2 and N-3, which vLLM and SGLang "
+        "read by default). Negatives count from the end.",
     )  # fmt: skip
     num_layers: int = option(1, "Decoder layers of the head.", ge=1)
     draft_vocab_size: int | None = option(
@@ -82,9 +84,11 @@ class Eagle3Config(DrafterConfig):
 
 
 def default_layers(num_layers: int) -> list[int]:
-    """speculators' choice: layers 2, N // 2 and N - 3 (distinct layers for small targets)."""
-    if num_layers >= 6:
-        return [2, num_layers // 2, num_layers - 3]
+    """The layers serving engines read by default: vLLM and SGLang take the inputs of decoder
+    layers 2, N // 2 and N - 3, which are the outputs of layers 1, N // 2 - 1 and N - 4 in
+    specdec's numbering (distinct layers for small targets)."""
+    if num_layers >= 8:
+        return [1, num_layers // 2 - 1, num_layers - 4]
     return list(dict.fromkeys([0, num_layers // 2, num_layers - 1]))
 
 
@@ -211,6 +215,34 @@ class Eagle3Drafter(TrainableDrafter):
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return Path(path)
+
+    # ----------------------------------------------------------------------- serving layouts
+
+    def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
+        """``(config.json, weights)`` of the head in a serving engine's layout."""
+        if fmt not in layouts.FORMATS:
+            return super().export_layout(fmt, target)
+        if fmt == "sglang" and self.model.cfg["num_layers"] > 1:
+            raise ModelError("the sglang layout holds one-layer heads (drafter.num_layers: 1)")
+        config = layouts.engine_config(self, fmt, target)
+        return config, layouts.engine_state(self.model, fmt, self.draft_ids, self.vocab_size)
+
+    @classmethod
+    def from_layout(cls, fmt: str, config: dict, state: dict, target) -> Eagle3Drafter:
+        """A head back from an export (to verify it)."""
+        proposals = config.get("speculators_config", {}).get("proposal_methods") or [{}]
+        head_cfg, layers = layouts.head_config(
+            config, fmt, proposals[0].get("speculative_tokens", 1)
+        )
+        model = _new_model(target, head_cfg)
+        try:
+            model.load_state_dict(layouts.specdec_state(state, fmt, model), strict=True)
+        except RuntimeError as err:
+            raise ModelError(f"{fmt} export: weights do not fit its config: {err}") from None
+        draft_ids = vocabulary.from_d2t(state["d2t"])
+        if head_cfg["draft_vocab_size"] == target.vocab_size:
+            draft_ids = None
+        return cls(model.to(target.device), layers, draft_ids, target.vocab_size)
 
     # ------------------------------------------------------------------------- training face
 

@@ -13,11 +13,17 @@ from pathlib import Path
 
 from specdec.errors import ConfigError
 from specdec.export.hf import export_hf
+from specdec.export.sglang import export_sglang
+from specdec.export.speculators import export_speculators
 
 #: format name -> exporter(checkpoint_dir, out_dir, target) -> out_dir
-EXPORTERS: dict[str, Callable[..., Path]] = {"hf": export_hf}
+EXPORTERS: dict[str, Callable[..., Path]] = {
+    "hf": export_hf,
+    "speculators": export_speculators,
+    "sglang": export_sglang,
+}
 #: formats the recipe schema names that have no exporter yet
-NOT_YET_AVAILABLE = ("speculators", "sglang", "medusa")
+NOT_YET_AVAILABLE = ("medusa",)
 
 
 def export(fmt: str, checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, target) -> Path:
@@ -40,4 +46,11 @@ def export(fmt: str, checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLi
     return EXPORTERS[fmt](checkpoint_dir, out_dir, target)
 
 
-__all__ = ["EXPORTERS", "NOT_YET_AVAILABLE", "export", "export_hf"]
+__all__ = [
+    "EXPORTERS",
+    "NOT_YET_AVAILABLE",
+    "export",
+    "export_hf",
+    "export_sglang",
+    "export_speculators",
+]
