@@ -20,11 +20,11 @@ import time
 
 import torch
 
+from specdec import drafters
 from specdec.data.chat import prompt_messages
 from specdec.decoding.compact import target_session
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
-from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdec.scoring.command import load_prompts
 from specdec.scoring.run import encode_prompt
 from specdec.target import FrozenTarget, eos_token_ids
@@ -62,7 +62,6 @@ def main() -> None:
     eos = eos_token_ids(model, tokenizer)
     rows = load_prompts(tuple(args.prompts.split(",")), args.num_prompts + 1)
     prompts = [encode_prompt(tokenizer, prompt_messages(r["messages"])) for r in rows]
-    vocab = model.config.vocab_size
     slow, fast = ModelSession(model), target_session(model)
     n = args.max_new_tokens
 
@@ -84,10 +83,15 @@ def main() -> None:
             session, ids, drafter=drafter, k=args.k, max_new_tokens=n, eos_token_ids=eos
         ).tokens
 
-    hf_forward = DraftModelDrafter(draft, vocab, forward="transformers")
-    compact = DraftModelDrafter(draft, vocab)  # the default: compact forward (float16 on CPU)
-    confident = DraftModelDrafter(draft, vocab, confidence=args.confidence)
-    lookup = PromptLookupDrafter()
+    def as_drafter(forward: str, confidence: float = 0.0):
+        drafter = drafters.from_model(draft, target)
+        drafter.configure(forward, confidence)
+        return drafter
+
+    hf_forward = as_drafter("transformers")
+    compact = as_drafter("auto")  # the default: compact forward (float16 on CPU)
+    confident = as_drafter("auto", args.confidence)
+    lookup = drafters.build(target, drafters.config_for(drafters.training_free()[0]))
     methods = {
         "hf generate (plain)": lambda ids: hf(ids),
         "hf assisted (draft model)": lambda ids: hf(

@@ -15,12 +15,12 @@ import time
 
 import torch
 
+from specdec import drafters
 from specdec.config import load_recipe
 from specdec.data.build import load_training_data
-from specdec.drafters.draft_model import build_draft_model
-from specdec.losses import distill_loss
+from specdec.drafters.vocabulary import token_counts
 from specdec.target import FrozenTarget
-from specdec.training.loop import micro_batch, token_counts
+from specdec.training.loop import drafter_loss, micro_batch
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -38,32 +38,27 @@ def main() -> None:
     recipe = load_recipe(args.config, args.overrides)
     target = FrozenTarget.from_config(recipe.target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
-    drafter = build_draft_model(target, recipe.drafter, token_counts(dataset, target.vocab_size))
-    model = drafter.model.train()
-    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=1e-5)
+    drafter = drafters.build(target, recipe.drafter, token_counts(dataset, target.vocab_size))
+    model = drafter.module.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     pad = target.tokenizer.pad_token_id or 0
-    size = recipe.train.batch_size
+    size, group = recipe.train.batch_size, recipe.train.length_group
+    lengths = torch.tensor([len(ids) for ids in dataset["input_ids"]])
     batches = [
-        {k: v.to(target.device) for k, v in micro_batch(dataset, i, size, 0, pad).items()}
+        micro_batch(dataset, i, size, recipe.run.seed, pad, lengths, group)
         for i in range(args.steps + 1)
     ]
+    batches = [{k: v.to(target.device) for k, v in b.items()} for b in batches]
     tokens = sum(int(b["attention_mask"].sum()) for b in batches[1:])
 
     def forward_only(batch):
         with torch.no_grad():
-            target.forward(batch["input_ids"], batch["attention_mask"])
+            layers = drafter.required_target_layers
+            target.forward(batch["input_ids"], batch["attention_mask"], hidden_layers=layers)
 
-    def train_step(batch):
-        with torch.no_grad():
-            teacher = target.forward(batch["input_ids"], batch["attention_mask"]).logits
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        mask = batch["loss_mask"][:, 1:].bool()
-        loss, _ = distill_loss(
-            logits.logits[:, :-1].float(),
-            drafter.restrict(teacher[:, :-1]),
-            mask,
-            mix={recipe.loss.name: 1.0},
-        )
+    def train_step(batch):  # the training loop's own loss, on one process
+        counts = drafter.loss_masks(batch["loss_mask"]).sum(dim=(1, 2)).float()
+        loss, _ = drafter_loss(drafter, model, target, batch, recipe.loss, counts)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -77,7 +72,8 @@ def main() -> None:
         results[name] = tokens / (time.perf_counter() - t0)
     ceiling = results["target forward only"]
     print(
-        f"{args.config}: {args.steps} micro-batches of {size}, {tokens} tokens, "
+        f"{args.config} ({drafter.name}): {args.steps} micro-batches of {size}, {tokens} tokens "
+        f"({tokens / sum(b['attention_mask'].numel() for b in batches[1:]):.0%} not padding), "
         f"threads {torch.get_num_threads()}, device {target.device}"
     )
     for name, tps in results.items():

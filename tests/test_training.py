@@ -60,7 +60,9 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(m["step"], m["train/loss"]) for m in lines if "train/loss" in m]
 
 
-def launch(args: list[str], processes: int = 1, **kwargs) -> subprocess.Popen:
+def launch(
+    args: list[str], processes: int = 1, recipe: Path = RECIPE, **kwargs
+) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if processes == 1:
         cmd = [sys.executable, str(ROOT / "train" / "distill.py")]
@@ -83,7 +85,7 @@ def launch(args: list[str], processes: int = 1, **kwargs) -> subprocess.Popen:
             str(ROOT / "train" / "distill.py"),
         ]
     return subprocess.Popen(
-        [*cmd, "--config", str(RECIPE), *args],
+        [*cmd, "--config", str(recipe), *args],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,

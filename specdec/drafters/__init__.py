@@ -74,10 +74,18 @@ def config_for(name: str, **values):
     return cls(**known)
 
 
-def from_model(path_or_id: str, target) -> Drafter:
-    """Any transformers causal LM that shares the target's tokenizer, as a drafter."""
+def from_model(model, target) -> Drafter:
+    """Any transformers causal LM that shares the target's tokenizer, as a drafter: a model
+    object, or a path or hub id to load."""
     vocab = target.model.get_output_embeddings().weight.shape[0]
-    return load_draft_model(path_or_id, target.tokenizer, vocab, device=target.device)
+    if isinstance(model, str):
+        return load_draft_model(model, target.tokenizer, vocab, device=target.device)
+    return DraftModelDrafter(model, vocab, tokenizer=target.tokenizer)
+
+
+def training_free() -> list[str]:
+    """The families that need no training (baselines every trained drafter must beat)."""
+    return [name for name in REGISTRY if not is_trainable(name)]
 
 
 __all__ = [
@@ -95,4 +103,5 @@ __all__ = [
     "from_model",
     "is_trainable",
     "load",
+    "training_free",
 ]

@@ -319,21 +319,43 @@ def checkpoint_table(run_dir: Path) -> list[dict]:
 
 
 def _micro_step(run: Run, batch: dict, num_tokens: torch.Tensor) -> dict:
-    """Forward target and drafter on one micro-batch, backpropagate its share of the loss.
+    """Forward target and drafter on one micro-batch, backpropagate its share of the loss."""
+    n = run.accelerator.num_processes
+    loss, metrics = drafter_loss(
+        run.drafter, run.model, run.target, batch, run.recipe.loss, num_tokens, n
+    )
+    run.accelerator.backward(loss)
+    return metrics
 
-    ``num_tokens``: ``[S]`` each draft step's global count of trained positions (divided by
-    the process count); every step's loss is its sum over that count, weighted per step.
+
+def drafter_loss(
+    drafter, model, target, batch: dict, loss_cfg, num_tokens: torch.Tensor, processes: int = 1
+) -> tuple[torch.Tensor, dict]:
+    """The loss of one micro-batch and its metrics: the target's forward (logits and the layers
+    the drafter reads), the drafter's S steps, a loss per step weighted by ``step_weights``.
+
+    Args:
+        drafter: the drafter (teacher, masks, step weights).
+        model: its trainable module (possibly wrapped by DDP).
+        target: the frozen target.
+        batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]``.
+        loss_cfg: the recipe's ``loss`` section.
+        num_tokens: ``[S]`` each step's global count of trained positions divided by the
+            process count: every step's loss is its sum over that count.
+        processes: the process count (metrics are shares of a sum over processes).
+
+    Returns:
+        The scalar loss and per-token metric shares (summed over micro-batches and processes,
+        they are the step's global means).
     """
-    accelerator, loss_cfg, drafter = run.accelerator, run.recipe.loss, run.drafter
     layers = drafter.required_target_layers
     ids, attention = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
-        out = run.target.forward(ids, attention, hidden_layers=layers)
+        out = target.forward(ids, attention, hidden_layers=layers)
         teacher = drafter.teacher(out.logits, batch["loss_mask"])  # [S, B, T, D]
         features = [out.hidden_states[i] for i in layers]
-    logits = run.model(ids, attention, features)  # [S, B, T, D]
+    logits = model(ids, attention, features)  # [S, B, T, D]
     weights = drafter.step_weights()
-    n = accelerator.num_processes
     loss, metrics = 0.0, {}
     for s in range(logits.shape[0]):
         draft, mask = logits[s].float(), teacher.mask[s]
@@ -348,19 +370,16 @@ def _micro_step(run: Run, batch: dict, num_tokens: torch.Tensor) -> dict:
             num_tokens=num_tokens[s],
         )
         loss = loss + float(weights[s]) * step_loss
-        # per-token means of this micro-batch's share: summed over micro-batches and
-        # processes (then divided by the process count) they are the step's global means
-        share = mask.sum() / num_tokens[s] / n
+        share = mask.sum() / num_tokens[s] / processes
         at = "" if s == 0 else f"@{s + 1}"
         metrics[f"train/acc@{s + 1}"] = token_agreement(draft, teacher.tokens[s], mask) * share
         accept = acceptance_rate(draft, teacher.log_probs[s], mask)
         metrics[f"train/expected_accept{at}"] = accept * share
         if s == 0:
-            metrics |= {f"train/loss/{k}": v.detach() / n for k, v in parts.items()}
+            metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
             outside = (teacher.tokens[0] < 0).float()
             metrics["train/out_of_vocab"] = masked_mean(outside, mask) * share
-    accelerator.backward(loss)
-    return {"train/loss": loss.detach() / n, **metrics}
+    return loss, {"train/loss": loss.detach() / processes, **metrics}
 
 
 def _save(accelerator: Accelerator, state_dir: Path) -> None:

@@ -1,0 +1,130 @@
+"""Training an EAGLE-3 head through the one training loop, on the tiny eagle3 recipe: what
+changes and what stays frozen, DDP equivalence (weights, not only losses) and resuming after
+SIGKILL."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+from safetensors.torch import load_file
+from test_training import QUESTIONS, finish, launch, losses
+
+from specdec import drafters
+from specdec.config import load_recipe
+from specdec.target import FrozenTarget
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "debug" / "tiny_eagle3.yaml"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    tiny_models.save_tiny(*tiny_models.tiny_llama(), root / "target")
+    (root / "train.jsonl").write_text("\n".join(json.dumps({"prompt": q}) for q in QUESTIONS))
+    (root / "eval.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": q + " Briefly."}) for q in QUESTIONS[:3])
+    )
+    return root
+
+
+def overrides(files: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"target.model={files / 'target'}",
+        f"run.output_dir={run_dir}",
+        f"data.prompts=[{files / 'train.jsonl'}]",
+        f"eval.prompts=[{files / 'eval.jsonl'}]",
+        "train.warmup_steps=0",  # the first update counts too
+        *extra,
+    ]
+
+
+def test_head_trains_target_and_embedding_stay_frozen(files, tmp_path, monkeypatch):
+    from specdec.training.loop import train
+
+    seen = []
+    real = FrozenTarget.from_config.__func__
+
+    def capture(cls, cfg):
+        seen.append(real(cls, cfg))
+        return seen[-1]
+
+    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
+    run_dir = tmp_path / "run"
+    recipe = load_recipe(RECIPE, overrides(files, run_dir, "train.save_every=100"))
+    summary = train(recipe)
+    assert summary["steps"] == 4
+    before = load_file(files / "target" / "model.safetensors")
+    after = seen[0].model.state_dict()
+    assert set(before) <= set(after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), f"target {name} changed"
+
+    ckpt_dir = run_dir / "checkpoints" / "step-000004"
+    ckpt = load_file(ckpt_dir / "model.safetensors")
+    state = load_file(run_dir / "state" / "model.safetensors")
+    torch.manual_seed(recipe.run.seed)  # the untrained head, rebuilt as the run built it
+    from specdec.data.build import load_training_data
+    from specdec.drafters.vocabulary import token_counts
+
+    dataset, _ = load_training_data(recipe, seen[0].tokenizer)
+    fresh = drafters.build(seen[0], recipe.drafter, token_counts(dataset, seen[0].vocab_size))
+    trained = {k for k in ckpt if k not in ("d2t", "t2d")}
+    assert trained == set(fresh.module.state_dict()) == set(state)
+    for name, tensor in fresh.module.state_dict().items():
+        assert not torch.equal(tensor, ckpt[name]), f"{name} did not change"
+        assert torch.equal(state[name], ckpt[name])
+    score = json.loads((ckpt_dir / "score.json").read_text())
+    assert score["drafter"] == "eagle3" and score["greedy_match_rate"] == 1.0
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics[0]
+    for key in ("train/acc@1", "train/acc@3", "train/expected_accept@3", "train/out_of_vocab"):
+        assert 0.0 <= logged[key] <= 1.0
+
+
+def test_ddp_two_processes_match_one_with_accumulation(files, tmp_path):
+    args = ["train.save_every=100"]
+    one = launch(overrides(files, tmp_path / "one", "train.grad_accum=2", *args), recipe=RECIPE)
+    finish(one)
+    two = launch(
+        overrides(files, tmp_path / "two", "train.grad_accum=1", *args),
+        processes=2,
+        recipe=RECIPE,
+    )
+    finish(two)
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        assert x == pytest.approx(y, rel=1e-4, abs=1e-6)
+    w1 = load_file(tmp_path / "one" / "state" / "model.safetensors")
+    w2 = load_file(tmp_path / "two" / "state" / "model.safetensors")
+    assert set(w1) == set(w2)
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)
+
+
+def test_resume_after_sigkill_continues_identically(files, tmp_path):
+    args = ["train.max_steps=8", "train.save_every=2"]
+    finish(launch(overrides(files, tmp_path / "whole", *args), recipe=RECIPE))
+    run_dir = tmp_path / "killed"
+    proc = launch(overrides(files, run_dir, *args), recipe=RECIPE, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run_dir / "checkpoints" / "step-000002").exists():
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert losses(run_dir)[-1][0] < 8  # killed mid-run
+    out = finish(launch(overrides(files, run_dir, *args), recipe=RECIPE))
+    assert "resumed" in out
+    got, expected = losses(run_dir), losses(tmp_path / "whole")
+    assert [s for s, _ in got] == [s for s, _ in expected] == list(range(1, 9))
+    assert [x for _, x in got] == pytest.approx([x for _, x in expected], rel=1e-6)
+    final = load_file(run_dir / "state" / "model.safetensors")
+    whole = load_file(tmp_path / "whole" / "state" / "model.safetensors")
+    for name in whole:
+        torch.testing.assert_close(final[name], whole[name], atol=1e-6, rtol=1e-5)

@@ -1,0 +1,99 @@
+"""The drafter family shape: families are reached only through the registry, hidden layers are
+numbered the same everywhere, and moving the draft model onto the shape changed no output."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec import drafters
+from specdec.decoding.compact import CompactSession, target_session
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.session import ModelSession
+from specdec.decoding.speculative import generate
+from specdec.target import FrozenTarget
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data"
+
+
+def test_no_family_name_outside_the_drafters_package():
+    """Scoring, training, export, the CLI, the decoder and the benchmarks name no family: they
+    go through the registry and the drafter interface."""
+    names = "|".join(re.escape(n) for n in drafters.REGISTRY)
+    classes = "|".join(cls.__name__ for cls in drafters.REGISTRY.values())
+    pattern = re.compile(
+        rf"""(["'])({names})\1|drafters\.({names})\b|\b({classes}|build_draft_model)\b"""
+    )
+    offenders = []
+    for path in [*ROOT.glob("specdec/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("eval/*.py"),
+                 *ROOT.glob("train/*.py")]:  # fmt: skip
+        if "drafters" in path.relative_to(ROOT).parts:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_family_has_the_same_faces():
+    for name, cls in drafters.REGISTRY.items():
+        assert cls.name == name
+        assert cls.config_class().type == name
+        for face in ("build", "from_checkpoint", "begin", "propose", "commit", "configure"):
+            assert callable(getattr(cls, face)), (name, face)
+        if drafters.is_trainable(name):
+            for face in ("module", "teacher", "loss_masks", "step_weights", "save"):
+                assert hasattr(cls, face), (name, face)
+
+
+def _four_layers():
+    model, tokenizer = tiny_models.tiny_llama()
+    config = LlamaConfig(**{**model.config.to_dict(), "num_hidden_layers": 4})
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+@pytest.mark.parametrize("layer", [-1, -3, 0, 2])
+def test_hidden_layers_are_numbered_alike_everywhere(layer):
+    """Layer i is transformers' hidden_states[i + 1]; -1 is the last layer (after the final
+    norm), -3 the second: in the target's forward and in both decoding sessions."""
+    model, tokenizer = _four_layers()
+    ids = torch.tensor([tokenizer("The quick brown fox jumps")["input_ids"]])
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    want = states[layer % 4 + 1][0]
+    target = FrozenTarget(model, tokenizer, name="four")
+    got = target.forward(ids, hidden_layers=[layer]).hidden_states[layer % 4][0]
+    torch.testing.assert_close(got, want)
+    for session in (ModelSession(model, [layer]), CompactSession(model, torch.float32, [layer])):
+        session.extend(ids[0].tolist())
+        torch.testing.assert_close(session.hidden[layer], want, atol=1e-5, rtol=1e-4)
+
+
+def test_draft_model_decoding_is_unchanged_by_the_family_shape():
+    """tests/data/draft_model_decoding.json was decoded from tests/data/tiny-draft-model by the
+    code before the family shape (greedy with a confidence stop, and top-k/top-p sampling,
+    through both target forwards); the same checkpoint decodes to the same tokens and rounds."""
+    target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
+    drafter = drafters.load(DATA / "tiny-draft-model", target)
+    golden = json.loads((DATA / "draft_model_decoding.json").read_text())
+    prompts = ["Tell me about the sea.", "def add(a, b):", "Count to five."]
+    cases = [("greedy", SamplingParams(), 0.2), ("sampled", SamplingParams(0.8, 20, 0.9), 0.0)]
+    for name, params, confidence in cases:
+        for forward in ("transformers", "auto"):
+            session = target_session(target.model, forward)
+            drafter.configure("auto", confidence)
+            for i, text in enumerate(prompts):
+                prompt = target.tokenizer(text)["input_ids"]
+                out = generate(
+                    session, prompt, drafter=drafter, k=3, max_new_tokens=40, params=params,
+                    generator=torch.Generator().manual_seed(i),
+                )  # fmt: skip
+                want = golden[f"{name}/{forward}/{i}"]
+                assert out.tokens == want["tokens"]
+                assert (out.accepted, out.drafted) == (want["accepted"], want["drafted"])
