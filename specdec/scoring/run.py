@@ -9,6 +9,7 @@ of a forward is not monotonic in its length.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import statistics
@@ -49,6 +50,12 @@ class ScoreSettings:
     target_forward: str = "auto"
     #: a draft model stops drafting when its chain's probability falls below this (0: never)
     draft_confidence: float = 0.0
+
+    @classmethod
+    def from_eval(cls, ev, **more) -> ScoreSettings:
+        """The settings of a recipe's ``eval`` section (the fields both have)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ev).items() if k in names}, **more)
 
     def check(self) -> None:
         if self.k < 1:

@@ -26,18 +26,7 @@ def score_checkpoint(model, drafter, target, recipe: Recipe, step: int) -> dict:
         run_dir / "checkpoints" / f"step-{step:06d}", target_name=target.name, extra={"step": step}
     )
     t0 = time.perf_counter()
-    settings = ScoreSettings(
-        k=ev.k,
-        max_new_tokens=ev.max_new_tokens,
-        temperature=ev.temperature,
-        top_k=ev.top_k,
-        top_p=ev.top_p,
-        seed=ev.seed,
-        warmup_prompts=ev.warmup_prompts,
-        draft_forward=ev.draft_forward,
-        draft_confidence=ev.draft_confidence,
-        target_forward=ev.target_forward,
-    )
+    settings = ScoreSettings.from_eval(ev)
     sources = tuple(p.source for p in ev.prompts)
     rows = load_prompts(sources, ev.num_prompts + ev.warmup_prompts, recipe.target.cache_dir)
     result = score(target.model, target.tokenizer, drafter, rows, settings)
