@@ -113,6 +113,9 @@ def test_greedy_decoding_is_token_identical(target, forward):
             assert spec.tokens == plain.tokens
             accepted += sum(spec.accepted)
     assert accepted > 10  # the accept path, and commits of several tokens, ran
+    # a float16 decoding copy leaves the trained head (and its rotary tables) as they were
+    assert all(p.dtype == torch.float32 for p in drafter.module.parameters())
+    assert drafter.module.rotary.inv_freq.dtype == torch.float32
 
 
 def _pit(model, session, drafter, prompt, params, seeds, temperature):

@@ -38,7 +38,13 @@ from specdec.drafters import eagle3_layouts as layouts
 from specdec.drafters import vocabulary
 from specdec.drafters.base import Proposal, TrainableDrafter
 from specdec.drafters.checkpoint import CHECKPOINT_FILE, read_meta
-from specdec.drafters.eagle3_model import DraftCache, Eagle3Model
+from specdec.drafters.eagle3_model import (
+    DraftCache,
+    Eagle3Model,
+    head_config,
+    init_from_target,
+    new_model,
+)
 from specdec.errors import ConfigError, ModelError
 from specdec.files import atomic_dir
 
@@ -47,7 +53,10 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 #: how the head runs while decoding; the head is small and always runs in float32
-FORWARDS = ("auto", "float32", "transformers")
+#: how the head runs while decoding: auto (float16 on a CPU, where a step is bound by reading
+#: the weights; its own dtype elsewhere), a dtype (a converted copy of the weights), or
+#: transformers (its own weights through plain ``F.linear``)
+FORWARDS = ("auto", "float32", "float16", "bfloat16", "transformers")
 
 
 @dataclass
@@ -137,10 +146,10 @@ class Eagle3Drafter(TrainableDrafter):
             raise ConfigError(f"drafter.target_layers: {err}") from None
         draft_ids = vocabulary.draft_vocab(target, cfg.draft_vocab_size, token_counts)
         size = target.vocab_size if draft_ids is None else len(draft_ids)
-        head_cfg = _head_config(target, len(layers), cfg.num_layers, size, cfg.ttt_steps)
-        model = _new_model(target, head_cfg)
+        head_cfg = head_config(target, len(layers), cfg.num_layers, size, cfg.ttt_steps)
+        model = new_model(target, head_cfg)
         if cfg.init_head_from_target:
-            _init_from_target(model, target, draft_ids)
+            init_from_target(model, target, draft_ids)
         model.feature_noise = cfg.feature_noise
         model.to(target.device)
         return cls(model, layers, draft_ids, target.vocab_size, cfg.step_weight_decay)
@@ -175,7 +184,7 @@ class Eagle3Drafter(TrainableDrafter):
         state.pop("t2d", None)
         if draft_ids is not None and int(draft_ids.max()) >= target.vocab_size:
             raise ModelError(f"{path}: its draft vocabulary does not fit the target's")
-        model = _new_model(target, head_cfg)
+        model = new_model(target, head_cfg)
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as err:
@@ -234,7 +243,7 @@ class Eagle3Drafter(TrainableDrafter):
         head_cfg, layers = layouts.head_config(
             config, fmt, proposals[0].get("speculative_tokens", 1)
         )
-        model = _new_model(target, head_cfg)
+        model = new_model(target, head_cfg)
         try:
             model.load_state_dict(layouts.specdec_state(state, fmt, model), strict=True)
         except RuntimeError as err:
@@ -257,26 +266,42 @@ class Eagle3Drafter(TrainableDrafter):
 
     def configure(self, forward: str = "auto", confidence: float = 0.0) -> None:
         if forward not in FORWARDS:
-            raise ConfigError(
-                f"draft forward {forward!r}: the eagle3 head decodes in float32 "
-                f"(choose one of {', '.join(FORWARDS)})"
-            )
+            raise ConfigError(f"draft forward {forward!r}: expected one of {', '.join(FORWARDS)}")
         self.forward, self.confidence = forward, confidence
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         self.model.eval()
-        weight = self.model.fc.weight
-        cpu = weight.device.type == "cpu" and self.forward != "transformers"
-        self.linear = _linear_transposed if cpu else torch.nn.functional.linear
-        self.cache = DraftCache(self.model, weight.dtype)
+        self.decoder = self._decoder()
+        weight = self.decoder.fc.weight
+        cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        fast = cpu32 and self.forward != "transformers"
+        self.linear = _linear_transposed if fast else torch.nn.functional.linear
+        self.cache = DraftCache(self.decoder, weight.dtype)
         self.verified = 0  # cache entries made from the target's features (step 0)
         self.pending = self._fuse(target_features)  # [m, H] features not yet entered
+
+    def _decoder(self) -> Eagle3Model:
+        """The head that decodes: the trained one, or a copy in the chosen dtype, made again
+        when an optimizer step has changed the weights since."""
+        weight = self.model.fc.weight
+        dtype = weight.dtype
+        if self.forward in ("float16", "bfloat16"):
+            dtype = getattr(torch, self.forward)
+        elif self.forward == "auto" and weight.device.type == "cpu":
+            dtype = torch.float16
+        if dtype == weight.dtype:
+            return self.model
+        version = (dtype, sum(p._version for p in self.model.parameters()))
+        if getattr(self, "_copy_version", None) != version:
+            self._copy = self.model.converted(dtype)
+            self._copy_version = version
+        return self._copy
 
     @torch.inference_mode()
     def _fuse(self, features: dict | None) -> torch.Tensor:
         if not features:
             raise ModelError("the eagle3 head needs the target's hidden states")
-        return self.model.fuse([features[i] for i in self.required_target_layers])
+        return self.decoder.fuse([features[i] for i in self.required_target_layers])
 
     @torch.inference_mode()
     def propose(
@@ -287,7 +312,7 @@ class Eagle3Drafter(TrainableDrafter):
         generator: torch.Generator | None = None,
     ) -> Proposal:
         t0 = self.clock()
-        model, m, start = self.model, self.pending.shape[0], self.verified
+        model, m, start = self.decoder, self.pending.shape[0], self.verified
         if start + m != len(sequence) - 1:
             raise ModelError(
                 f"eagle3 head out of step: {start + m} positions of features for a sequence "
@@ -335,78 +360,3 @@ class Eagle3Drafter(TrainableDrafter):
     @property
     def draft_seconds(self) -> float:
         return self.seconds
-
-
-# ---------------------------------------------------------------------------------- helpers
-
-
-def _head_config(target, num_features: int, num_layers: int, vocab: int, steps: int) -> dict:
-    text = target.config.get_text_config()
-    heads = text.num_attention_heads
-    return {
-        "hidden_size": text.hidden_size,
-        "target_hidden_size": text.hidden_size,
-        "num_features": num_features,
-        "heads": heads,
-        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-        "intermediate_size": text.intermediate_size,
-        "num_layers": num_layers,
-        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
-        "attention_bias": bool(getattr(text, "attention_bias", False)),
-        "draft_vocab_size": vocab,
-        "steps": steps,
-        "max_position_embeddings": getattr(text, "max_position_embeddings", 8192),
-        "rope_parameters": _rope_parameters(text),
-    }
-
-
-def _rope_parameters(text) -> dict:
-    """The target's rotary settings (of its full-attention layers where they differ)."""
-    params = getattr(text, "rope_parameters", None) or {}
-    if "full_attention" in params:
-        params = params["full_attention"]
-    if not params:
-        params = {"rope_type": "default", "rope_theta": getattr(text, "rope_theta", 10000.0)}
-    return dict(params)
-
-
-def _new_model(target, cfg: dict) -> Eagle3Model:
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = LlamaConfig(
-        hidden_size=cfg["hidden_size"],
-        num_attention_heads=cfg["heads"],
-        head_dim=cfg["head_dim"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        rope_parameters=cfg["rope_parameters"],
-    )
-    with torch.device("cpu"):
-        model = Eagle3Model(cfg, target.model.get_input_embeddings(), LlamaRotaryEmbedding(rope))
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            torch.nn.init.normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-    return model
-
-
-@torch.no_grad()
-def _init_from_target(model: Eagle3Model, target, draft_ids: torch.Tensor | None) -> None:
-    """Start where the target's own read-out is: the fused features are the highest target
-    layer's, the decoder layers add nothing yet (zero output projections), and the final norm
-    and LM head are the target's. The head then predicts what the target's logit lens on that
-    layer predicts, a far better start than a confident random guess."""
-    fc, size = model.fc.weight, model.cfg["hidden_size"]
-    if model.cfg["target_hidden_size"] == size:
-        fc.zero_()
-        fc[:, -size:] = torch.eye(size, dtype=fc.dtype)
-    for layer in model.layers:
-        layer.o_proj.weight.zero_()
-        layer.down_proj.weight.zero_()
-    head = target.model.get_output_embeddings().weight
-    model.lm_head.weight.copy_(head if draft_ids is None else head[draft_ids.to(head.device)])
-    norm = getattr(target.model.get_decoder(), "norm", None)
-    if norm is not None and norm.weight.shape == model.norm.weight.shape:
-        model.norm.weight.copy_(norm.weight)

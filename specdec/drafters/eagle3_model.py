@@ -177,6 +177,7 @@ class Eagle3Model(nn.Module):
         """
         m, end = hidden.shape[0], start + hidden.shape[0]
         cache.reserve(end)
+        embeds = embeds.to(hidden.dtype)
         cos, sin = cache.cos[start:end], cache.sin[start:end]
         mask = None
         if m > 1:
@@ -195,6 +196,15 @@ class Eagle3Model(nn.Module):
 
     def logits(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
         return linear(self.norm(x), self.lm_head.weight)
+
+    def converted(self, dtype: torch.dtype) -> Eagle3Model:
+        """A copy in ``dtype`` for decoding (the rotary tables stay in float32, the target's
+        embedding stays borrowed)."""
+        copy = Eagle3Model(self.cfg, self.embedding, nn.Identity())
+        copy.load_state_dict(self.state_dict())
+        copy.to(self.fc.weight.device, dtype)
+        copy.rotary = self.rotary  # shared, in float32
+        return copy.eval()
 
 
 class DraftCache:
@@ -258,3 +268,78 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------- building
+
+
+def head_config(target, num_features: int, num_layers: int, vocab: int, steps: int) -> dict:
+    text = target.config.get_text_config()
+    heads = text.num_attention_heads
+    return {
+        "hidden_size": text.hidden_size,
+        "target_hidden_size": text.hidden_size,
+        "num_features": num_features,
+        "heads": heads,
+        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "intermediate_size": text.intermediate_size,
+        "num_layers": num_layers,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "attention_bias": bool(getattr(text, "attention_bias", False)),
+        "draft_vocab_size": vocab,
+        "steps": steps,
+        "max_position_embeddings": getattr(text, "max_position_embeddings", 8192),
+        "rope_parameters": rope_parameters(text),
+    }
+
+
+def rope_parameters(text) -> dict:
+    """The target's rotary settings (of its full-attention layers where they differ)."""
+    params = getattr(text, "rope_parameters", None) or {}
+    if "full_attention" in params:
+        params = params["full_attention"]
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    return dict(params)
+
+
+def new_model(target, cfg: dict) -> Eagle3Model:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaConfig(
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["heads"],
+        head_dim=cfg["head_dim"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rope_parameters=cfg["rope_parameters"],
+    )
+    with torch.device("cpu"):
+        model = Eagle3Model(cfg, target.model.get_input_embeddings(), LlamaRotaryEmbedding(rope))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+    return model
+
+
+@torch.no_grad()
+def init_from_target(model: Eagle3Model, target, draft_ids: torch.Tensor | None) -> None:
+    """Start where the target's own read-out is: the fused features are the highest target
+    layer's, the decoder layers add nothing yet (zero output projections), and the final norm
+    and LM head are the target's. The head then predicts what the target's logit lens on that
+    layer predicts, a far better start than a confident random guess."""
+    fc, size = model.fc.weight, model.cfg["hidden_size"]
+    if model.cfg["target_hidden_size"] == size:
+        fc.zero_()
+        fc[:, -size:] = torch.eye(size, dtype=fc.dtype)
+    for layer in model.layers:
+        layer.o_proj.weight.zero_()
+        layer.down_proj.weight.zero_()
+    head = target.model.get_output_embeddings().weight
+    model.lm_head.weight.copy_(head if draft_ids is None else head[draft_ids.to(head.device)])
+    norm = getattr(target.model.get_decoder(), "norm", None)
+    if norm is not None and norm.weight.shape == model.norm.weight.shape:
+        model.norm.weight.copy_(norm.weight)
