@@ -47,6 +47,7 @@ from transformers import (
 from specdec import assets
 from specdec.assets import SMOLLM2_135M_GGUF, PackagedFile
 from specdec.errors import ModelError
+from specdec.layers import resolve_layer
 
 logger = logging.getLogger(__name__)
 
@@ -332,11 +333,14 @@ class FrozenTarget:
         Raises:
             ModelError: an index is out of range; the message names it and the valid range.
         """
-        try:
-            resolved = [resolve_layer(layer, self.num_layers) for layer in layers]
-        except ModelError as err:
-            raise ModelError(f"target {self.name}: {err}") from None
-        return list(dict.fromkeys(resolved))
+        n = self.num_layers
+        for layer in layers:
+            if not -n <= layer < n:
+                raise ModelError(
+                    f"hidden layer {layer} out of range for target {self.name} with {n} layers "
+                    f"(valid: {-n}..{n - 1})"
+                )
+        return list(dict.fromkeys(resolve_layer(layer, n) for layer in layers))
 
     @torch.no_grad()
     def forward(
@@ -401,23 +405,6 @@ class FrozenTarget:
             f"FrozenTarget({self.name!r}, layers={self.num_layers}, hidden={self.hidden_size}, "
             f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device})"
         )
-
-
-def resolve_layer(layer: int, num_layers: int) -> int:
-    """The decoder layer ``layer`` names (negatives count from the end), in ``0..num_layers-1``.
-
-    Every place that reads hidden layers (:class:`FrozenTarget`, the decoding sessions) numbers
-    them through this function; layer ``i`` is transformers' ``hidden_states[i + 1]``.
-
-    Raises:
-        ModelError: out of range; the message names the index and the valid range.
-    """
-    if not -num_layers <= layer < num_layers:
-        raise ModelError(
-            f"hidden layer {layer} out of range for a target with {num_layers} layers "
-            f"(valid: {-num_layers}..{num_layers - 1})"
-        )
-    return layer % num_layers
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -61,9 +61,9 @@ def test_reduced_vocabulary_is_not_exported(tmp_path):
 
 
 def test_unknown_and_future_formats():
-    assert set(EXPORTERS) == {"hf"}
-    with pytest.raises(ConfigError, match="'sglang' is not yet available; available: hf"):
-        export("sglang", "ckpt", "out", None)
+    assert set(EXPORTERS) == {"hf", "speculators", "sglang"}
+    with pytest.raises(ConfigError, match="'medusa' is not yet available; available: hf"):
+        export("medusa", "ckpt", "out", None)
     with pytest.raises(ConfigError, match="unknown export format 'hff' .*'hf'.*not yet available"):
         export("hff", "ckpt", "out", None)
 

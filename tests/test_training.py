@@ -122,10 +122,11 @@ def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path):
 
     dataset, _ = load_training_data(recipe, target.tokenizer)
     fresh = build_draft_model(target, recipe.drafter, token_counts(dataset, target.vocab_size))
+    assert set(state) == {f"lm.{name}" for name in fresh.model.state_dict()}
     for name, before in fresh.model.state_dict().items():
         if name in ckpt:
             assert not torch.equal(before, ckpt[name]), f"{name} did not change"
-            assert torch.equal(state[name], ckpt[name])
+            assert torch.equal(state[f"lm.{name}"], ckpt[name])
     for name, tensor in target.model.state_dict().items():
         if name in target_before:
             assert torch.equal(tensor, target_before[name]), f"target {name} changed"

@@ -198,6 +198,18 @@ def describe(cls: type = Recipe) -> str:
 def _describe_lines(cls: type, prefix: str) -> Iterator[str]:
     for f in dataclasses.fields(cls):
         key, tp, meta = join_key(prefix, f.name), hints(cls)[f.name], f.metadata
+        if dataclasses.is_dataclass(tp) and hasattr(tp, "variants"):
+            variants = tp.variants()
+            yield f"{key}:  # {meta['help']}"
+            yield f"{key}.type: one of {', '.join(variants)} = {tp.default_variant()!r}"
+            for name, variant in variants.items():
+                yield f"{key}:  # when {key}.type is {name!r}"
+                yield from (
+                    line
+                    for line in _describe_lines(variant, key)
+                    if not line.startswith(f"{key}.type:")
+                )
+            continue
         if dataclasses.is_dataclass(tp):
             yield f"{key}:  # {meta['help']}"
             yield from _describe_lines(tp, key)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from specdec.decoding.session import ModelSession
 from specdec.errors import ConfigError
-from specdec.target import resolve_layer
+from specdec.layers import resolve_layer
 
 #: model types whose decoder layer is pre-norm attention + gated MLP with standard rotary
 #: embeddings (Qwen3 adds a per-head RMSNorm on queries and keys)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from specdec.target import resolve_layer
+from specdec.layers import resolve_layer
 
 
 class Clock:
