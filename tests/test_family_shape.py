@@ -97,3 +97,40 @@ def test_draft_model_decoding_is_unchanged_by_the_family_shape():
                 want = golden[f"{name}/{forward}/{i}"]
                 assert out.tokens == want["tokens"]
                 assert (out.accepted, out.drafted) == (want["accepted"], want["drafted"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["transformers", "compact"])
+def test_sessions_verify_a_tree_and_keep_its_path(family, kind):
+    """A tree [a; b, c] (b and c both follow a) in one forward, with explicit positions and a
+    tree mask, gives each node the logits its own chain gives; keeping the path a, c leaves
+    the cache of the chain prefix + a + c."""
+    build = tiny_models.tiny_llama if family == "llama" else tiny_models.tiny_qwen2
+    model, tokenizer = build()
+
+    def session():
+        if kind == "compact":
+            return CompactSession(model, torch.float32)
+        return ModelSession(model)
+
+    prefix = tokenizer("The quick brown fox")["input_ids"]
+    a, b, c, d = 40, 41, 42, 43
+    p = len(prefix)
+    tree = session()
+    tree.extend(prefix)
+    mask = torch.ones(3, p + 3, dtype=torch.bool)
+    mask[1, p + 2] = mask[2, p + 1] = False  # siblings do not see each other
+    mask[0, p + 1 :] = False
+    got = tree.extend([a, b, c], positions=torch.tensor([p, p + 1, p + 1]), mask=mask)
+    for path, rows in (([a, b], [0, 1]), ([a, c], [0, 2])):
+        chain = session()
+        chain.extend(prefix)
+        want = chain.extend(path)
+        torch.testing.assert_close(got[rows], want, atol=1e-5, rtol=1e-4)
+    tree.keep([*range(p), p, p + 2])
+    assert tree.ids == [*prefix, a, c] and tree.length == p + 2
+    chain = session()
+    chain.extend([*prefix, a, c])
+    torch.testing.assert_close(tree.extend([d]), chain.extend([d]), atol=1e-5, rtol=1e-4)
+    tree.keep(range(p))  # a chain rollback is keep of a prefix
+    assert tree.ids == prefix and tree.length == p

@@ -204,7 +204,13 @@ class CompactSession(ModelSession):
         self.kv[:, :, :, :length] = kv[:, :, :, :length]
 
     @torch.inference_mode()
-    def extend(self, tokens: Sequence[int] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def extend(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        last_only: bool = False,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if isinstance(tokens, torch.Tensor):
             input_ids = tokens.to(self.device, torch.long).view(-1)
             self._pending.append(input_ids)
@@ -216,7 +222,7 @@ class CompactSession(ModelSession):
             self._grow(start + m)
         self.length = start + m
         t0 = self.clock() if self.timed else 0.0
-        x = self._forward(input_ids, start)
+        x = self._forward(input_ids, start, positions, mask)
         if last_only:
             x = x[-1:]
         logits = self.linear(x, *self.head).float()
@@ -225,12 +231,20 @@ class CompactSession(ModelSession):
         self.forward_calls += 1
         return logits
 
-    def _forward(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
-        """Hidden states ``[m, H]`` after the final norm for ``input_ids`` at ``start``."""
+    def _forward(self, input_ids, start: int, positions=None, mask=None) -> torch.Tensor:
+        """Hidden states ``[m, H]`` after the final norm for ``input_ids`` in cache slots
+        ``start..``, at ``positions`` (default: the slots) under ``mask`` (``[m, start + m]``,
+        default: causal among the new tokens, everything cached visible)."""
         m, end = input_ids.shape[0], start + input_ids.shape[0]
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        mask, self.hidden = None, {}
-        if m > 1:  # causal among the new tokens, everything cached is visible
+        if positions is None:
+            cos, sin = self.cos[start:end], self.sin[start:end]
+        else:
+            positions = positions.to(self.device)
+            cos, sin = self.cos[positions], self.sin[positions]
+        self.hidden = {}
+        if mask is not None:
+            mask = mask.to(self.device)
+        elif m > 1:
             mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start)
         linear, last = self.linear, len(self.layers) - 1
         x = self.model.get_input_embeddings()(input_ids).to(self.dtype)
@@ -267,6 +281,16 @@ class CompactSession(ModelSession):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * y.to(x.dtype)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        indices = [int(i) for i in indices]
+        if indices == list(range(len(indices))):
+            return self.rollback(len(indices))
+        index = torch.tensor(indices, device=self.device)
+        n = len(indices)
+        self.kv[:, :, :, :n] = self.kv.index_select(3, index)
+        self._ids = [self.ids[i] for i in indices]
+        self.length = n
 
     def rollback(self, length: int) -> None:
         if length < self.length:

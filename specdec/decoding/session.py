@@ -74,13 +74,22 @@ class ModelSession:
         return self._ids
 
     @torch.inference_mode()
-    def extend(self, tokens: Sequence[int] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def extend(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        last_only: bool = False,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run the model over ``tokens`` after the cached ones.
 
         Args:
             tokens: the new token ids (a list, or a device tensor to avoid a host sync).
             last_only: compute logits for the last position only (a prefill or a catch-up
                 feed needs no more; the LM head is a large share of a small model's cost).
+            positions: ``[m]`` position ids of the new tokens; None: right after the cache.
+            mask: ``[m, cached + m]`` booleans, True where a new token may attend (a draft
+                tree: each node sees the cache, its ancestors and itself); None: causal.
 
         Returns:
             ``[m, V]`` logits (``[1, V]`` with ``last_only``), row j predicting the token after
@@ -97,15 +106,24 @@ class ModelSession:
         m = input_ids.shape[1]
         start = self.length
         self.length += m
-        position_ids = torch.arange(start, start + m, device=self.device).unsqueeze(0)
+        if positions is None:
+            positions = torch.arange(start, start + m, device=self.device)
+        extra = {}
+        if mask is not None:  # transformers' public 4-D mask: additive, [batch, 1, m, kv]
+            blocked = torch.finfo(self.model.dtype).min
+            additive = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
+            extra["attention_mask"] = additive.masked_fill(~mask.to(self.device), blocked)[
+                None, None
+            ]
         t0 = self.clock() if self.timed else 0.0
         out = self.model(
             input_ids=input_ids,
-            position_ids=position_ids,
+            position_ids=positions.to(self.device).view(1, -1),
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
             output_hidden_states=bool(self.hidden_layers),
+            **extra,
         )
         logits = out.logits[0]
         if self.timed:
@@ -114,6 +132,21 @@ class ModelSession:
         if self.hidden_layers:
             self.hidden = {i: out.hidden_states[j][0] for i, j in self._states.items()}
         return logits
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep only the cached entries at ``indices`` (ascending), e.g. the verified prefix and
+        the accepted path of a draft tree; ``keep(range(n))`` is a rollback to n tokens."""
+        indices = [int(i) for i in indices]
+        if indices == list(range(len(indices))):
+            return self.rollback(len(indices))
+        index = torch.tensor(indices, device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise ValueError("keeping entries out of order needs full-attention layers")
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self._ids = [self.ids[i] for i in indices]
+        self.length = len(indices)
 
     def rollback(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""

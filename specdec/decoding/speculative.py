@@ -108,6 +108,8 @@ def generate(
         budget = min(k, max_new_tokens - len(out.tokens) - 1)
         if drafter is not None and budget > 0:
             proposal = drafter.propose(sequence, budget, params, generator)
+            if proposal.parents is not None:
+                raise ValueError(f"{drafter.name} proposed a tree; this loop verifies chains")
             draft, q = proposal.tokens.to(target.device), proposal.probs
         else:
             draft, q = torch.empty(0, dtype=torch.long, device=target.device), None
