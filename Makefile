@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/specdec train --config $(DEMO_RECIPE)
 	$(BIN)/specdec score --config $(DEMO_RECIPE) --drafter prompt_lookup \
-		--out runs/smollm2-135m-demo/prompt_lookup/score.json
+		--out runs/smollm2-135m-demo/prompt_lookup/score.json --force
 
 test: setup
 	$(BIN)/python -m pytest -q

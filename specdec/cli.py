@@ -52,6 +52,7 @@ def _score(args: argparse.Namespace) -> None:
         cache_dir=recipe.target.cache_dir,
         dtype=recipe.target.dtype,
         max_ngram=args.max_ngram or getattr(recipe.drafter, "max_ngram", None),
+        force=args.force,
     )
     settings = ScoreSettings.from_eval(ev, shape_verify=not args.exact_verify_length)
     result = run_scoring(job, settings)
@@ -215,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")
     s.add_argument("--out", help="score.json path (default: beside the checkpoint, or ./)")
+    s.add_argument("--force", action="store_true", help="replace an existing score file")
     s.set_defaults(func=_score)
 
     f = sub.add_parser("fetch", help="download, verify and cache the target and prompt sets")

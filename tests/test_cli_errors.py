@@ -119,3 +119,16 @@ def test_score_flags_are_checked_by_the_schema_before_any_model_loads(capsys, fl
     if "--drafter" in flags:
         argv = ["score", "--target", "/no/such/target", *flags]
     assert error_line(capsys, argv).startswith(f"specdec: error: {message}")
+
+
+def test_score_never_replaces_a_checkpoints_score_unasked(capsys, tmp_path):
+    ckpt = tmp_path / "step-000002"
+    ckpt.mkdir()
+    (ckpt / "drafter.json").write_text(json.dumps({"type": "draft_model", "target": "/nothing"}))
+    (ckpt / "score.json").write_text('{"tau": 1.5}')
+    err = error_line(capsys, ["score", "--checkpoint", str(ckpt)])
+    assert (
+        err
+        == f"specdec: error: {ckpt / 'score.json'} exists; pass --out PATH, or --force to replace it"
+    )
+    assert (ckpt / "score.json").read_text() == '{"tau": 1.5}'

@@ -31,7 +31,14 @@ class ScoreJob:
     out: str | None = None
     cache_dir: str | None = None
     dtype: str = "float32"
-    max_ngram: int = 3
+    max_ngram: int | None = None
+    force: bool = False  # replace an existing score file
+
+    @property
+    def out_path(self) -> Path:
+        if self.out:
+            return Path(self.out)
+        return Path(self.checkpoint) / "score.json" if self.checkpoint else Path("score.json")
 
 
 def build_drafter(job: ScoreJob, target) -> Drafter:
@@ -83,6 +90,11 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
         raise ConfigError("give exactly one of --checkpoint, --drafter or --draft-model")
     if job.drafter:  # an unknown or trained family fails before any model is loaded
         _check_training_free(job.drafter)
+    out = job.out_path
+    if out.exists() and not job.force:  # e.g. the score training wrote beside a checkpoint
+        raise ConfigError(f"{out} exists; pass --out PATH, or --force to replace it")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: {out.parent} is not a directory")
     target_spec = job.target
     if target_spec is None and job.checkpoint:
         target_spec = read_meta(job.checkpoint).get("target")
@@ -95,7 +107,6 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     result = score(target.model, target.tokenizer, drafter, rows, settings)
     result["target"] = target.name
     result["prompts"] = list(job.prompts)
-    out = Path(job.out or (Path(job.checkpoint) / "score.json" if job.checkpoint else "score.json"))
     write_json(out, result)
     result["plot"] = str(report.plot(result, out.with_suffix(".png")))
     result["json"] = str(out)
