@@ -127,8 +127,6 @@ def test_score_never_replaces_a_checkpoints_score_unasked(capsys, tmp_path):
     (ckpt / "drafter.json").write_text(json.dumps({"type": "draft_model", "target": "/nothing"}))
     (ckpt / "score.json").write_text('{"tau": 1.5}')
     err = error_line(capsys, ["score", "--checkpoint", str(ckpt)])
-    assert (
-        err
-        == f"specdec: error: {ckpt / 'score.json'} exists; pass --out PATH, or --force to replace it"
-    )
+    want = f"{ckpt / 'score.json'} exists; pass --out PATH, or --force to replace it"
+    assert err == f"specdec: error: {want}"
     assert (ckpt / "score.json").read_text() == '{"tau": 1.5}'

@@ -58,3 +58,23 @@ def test_greedy_identical_on_smollm2(smollm2, cases, kind, k):
         assert got.tokens == expected
         if kind == "perfect":
             assert all(a == d for a, d in zip(got.accepted, got.drafted, strict=True))
+
+
+@pytest.mark.parametrize("forward", ["auto", "transformers"])
+def test_eagle3_head_greedy_identical_on_smollm2(smollm2, cases, forward):
+    """An EAGLE-3 head (untrained, reduced vocabulary) reads SmolLM2's hidden states through
+    the compact target session; the output is the target's, token for token."""
+    from specdec import drafters
+    from specdec.decoding.compact import target_session
+    from specdec.drafters.eagle3 import Eagle3Config
+
+    torch.manual_seed(0)
+    counts = torch.arange(smollm2.vocab_size, 0, -1).float()
+    head = drafters.build(smollm2, Eagle3Config(draft_vocab_size=4096), counts)
+    head.configure(forward, 0.0)
+    assert head.required_target_layers == (1, 14, 26)
+    examples, eos = cases
+    session = target_session(smollm2.model, "auto", head.required_target_layers)
+    for prompt, expected in examples:
+        got = generate(session, prompt, drafter=head, k=4, max_new_tokens=24, eos_token_ids=eos)
+        assert got.tokens == expected
