@@ -234,6 +234,10 @@ def test_checkpoint_round_trip_and_refusals(target, tmp_path):
         assert torch.equal(loaded.module.eval()(ids, None, feats), want)
     assert loaded.required_target_layers == drafter.required_target_layers
 
+    without_map = {k: v for k, v in state.items() if k != "d2t"}
+    save_file(without_map, path / "model.safetensors")
+    with pytest.raises(ModelError, match="d2t"):
+        drafters.load(path, target)
     del state["lm_head.weight"]
     save_file(state, path / "model.safetensors")
     with pytest.raises(ModelError, match="lm_head.weight"):

@@ -182,8 +182,11 @@ class Eagle3Drafter(TrainableDrafter):
             )
         draft_ids = vocabulary.from_d2t(state.pop("d2t")) if "d2t" in state else None
         state.pop("t2d", None)
-        if draft_ids is not None and int(draft_ids.max()) >= target.vocab_size:
-            raise ModelError(f"{path}: its draft vocabulary does not fit the target's")
+        size = head_cfg["draft_vocab_size"]
+        full = draft_ids is None and size == target.vocab_size
+        fits = draft_ids is not None and len(draft_ids) == size
+        if not (full or (fits and int(draft_ids.max()) < target.vocab_size)):
+            raise ModelError(f"{path}: its draft vocabulary (d2t) does not fit its head or target")
         model = new_model(target, head_cfg)
         try:
             model.load_state_dict(state, strict=True)
