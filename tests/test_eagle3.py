@@ -264,3 +264,29 @@ def test_default_layers_are_low_middle_high():
     assert default_layers(30) == [1, 14, 26]  # vLLM's aux layers 2, 15, 27 (their inputs)
     assert default_layers(32) == [1, 15, 28]
     assert default_layers(2) == [0, 1]
+
+
+@torch.no_grad()
+def test_initial_head_reads_out_like_the_targets_logit_lens():
+    """At initialisation step 0 is the target's LM head on its final norm of the highest fused
+    layer (at the draft tokens), whatever that layer's scale; the fused features have unit
+    RMS."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small, tokenizer = tiny_models.tiny_llama()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**small.config.to_dict(), "num_hidden_layers": 4}))
+    model.model.embed_tokens.weight.mul_(500.0)  # a large residual stream
+    model.model.norm.weight.uniform_(0.5, 3.0)
+    target = FrozenTarget(model.eval(), tokenizer, name="four")
+    cfg = Eagle3Config(draft_vocab_size=64, target_layers=[0, 1, 2])
+    drafter = drafters.build(target, cfg, counts(target))
+    ids = torch.tensor([tokenizer("Tell me about the sea and the sky.")["input_ids"]])
+    out, feats = features(target, drafter, ids)
+    h = out.hidden_states[2][0]  # not the last layer: before the final norm
+    assert h.pow(2).mean().sqrt() > 5
+    want = model.lm_head(model.model.norm(h))[:, drafter.draft_ids]
+    got = drafter.module.eval()(ids, None, feats)[0, 0]
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    fused = drafter.module.fuse([f[0, 1:] for f in feats])
+    assert fused.pow(2).mean().sqrt().item() == pytest.approx(1.0, rel=0.5)

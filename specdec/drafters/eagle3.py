@@ -149,7 +149,7 @@ class Eagle3Drafter(TrainableDrafter):
         head_cfg = head_config(target, len(layers), cfg.num_layers, size, cfg.ttt_steps)
         model = new_model(target, head_cfg)
         if cfg.init_head_from_target:
-            init_from_target(model, target, draft_ids)
+            init_from_target(model, target, draft_ids, layers[-1])
         model.feature_noise = cfg.feature_noise
         model.to(target.device)
         return cls(model, layers, draft_ids, target.vocab_size, cfg.step_weight_decay)

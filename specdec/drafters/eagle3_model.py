@@ -325,20 +325,35 @@ def new_model(target, cfg: dict) -> Eagle3Model:
     return model
 
 
+#: a fixed text whose hidden states set the scale of the fused features at initialisation
+PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n"
+    "Speculative decoding drafts tokens with a small model and verifies them at once."
+)
+
+
 @torch.no_grad()
-def init_from_target(model: Eagle3Model, target, draft_ids: torch.Tensor | None) -> None:
+def init_from_target(model: Eagle3Model, target, draft_ids, high_layer: int) -> None:
     """Start where the target's own read-out is: the fused features are the highest target
-    layer's, the decoder layers add nothing yet (zero output projections), and the final norm
-    and LM head are the target's. The head then predicts what the target's logit lens on that
-    layer predicts, a far better start than a confident random guess."""
+    layer's scaled to unit RMS, the decoder layers add nothing yet (zero output projections),
+    and the final norm and LM head are the target's. The head then predicts what the target's
+    logit lens on that layer predicts, a far better start than a confident random guess.
+
+    The scale matters: a late layer's residual stream is large (SmolLM2-135M's layer 26 has an
+    RMS near 19), and Adam moves each weight by about the learning rate per step, so on the
+    raw scale the decoder layer would need hundreds of steps before its output counts. The RMS
+    is measured on a fixed probe text, leaving out the first position (an attention sink)."""
     fc, size = model.fc.weight, model.cfg["hidden_size"]
     if model.cfg["target_hidden_size"] == size:
+        ids = target.tokenizer(PROBE_TEXT, return_tensors="pt").input_ids
+        states = target.forward(ids, hidden_layers=[high_layer]).hidden_states[high_layer]
+        rms = states[0, 1:].float().pow(2).mean().sqrt().clamp_min(1e-6)
         fc.zero_()
-        fc[:, -size:] = torch.eye(size, dtype=fc.dtype)
+        fc[:, -size:] = torch.eye(size, dtype=fc.dtype) / rms.to(fc.device)
     for layer in model.layers:
         layer.o_proj.weight.zero_()
         layer.down_proj.weight.zero_()
-    head = target.model.get_output_embeddings().weight
+    head = target.model.get_output_embeddings().weight.to(fc.device)
     model.lm_head.weight.copy_(head if draft_ids is None else head[draft_ids.to(head.device)])
     norm = getattr(target.model.get_decoder(), "norm", None)
     if norm is not None and norm.weight.shape == model.norm.weight.shape:
