@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.sampling import SamplingParams, probabilities, sample
 
 
 @dataclass
@@ -178,6 +178,54 @@ class TrainableDrafter(Drafter):
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically; it describes itself (``drafter.json``)."""
         raise NotImplementedError
+
+
+def draft_chain(
+    logits: torch.Tensor,
+    advance,
+    k: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    draft_ids: torch.Tensor | None,
+    vocab_size: int,
+    confidence: float = 0.0,
+) -> Proposal:
+    """Draft up to ``k`` tokens one after another, as every autoregressive drafter does.
+
+    Args:
+        logits: ``[D]`` the drafter's logits for the first draft token.
+        advance: ``advance(token, i)`` feeds draft token i to the drafter and returns its
+            ``[D]`` logits for the next one.
+        k: the most tokens to draft.
+        params: greedy (argmax, no q) or sampling (q = the processed distribution drawn from).
+        generator: randomness for sampling.
+        draft_ids: ``[D]`` target ids of the drafter's outputs (None: the target's vocabulary).
+        vocab_size: the target's vocabulary size (width of the returned q).
+        confidence: stop once the product of the drafted tokens' own probabilities falls
+            below this (the first token is always drafted; it depends only on the draft's
+            distributions, so decoding stays exact); 0 drafts all k.
+    """
+    from specdec.drafters.vocabulary import to_target
+
+    tokens, dists, chain = [], [], 1.0
+    for i in range(k):
+        logits = logits.float()
+        if params.greedy:
+            choice = logits.argmax(dim=-1)
+        else:
+            q = probabilities(logits, params)
+            choice = sample(q, generator)
+            dists.append(q)
+        token = choice if draft_ids is None else draft_ids[choice]
+        tokens.append(token)
+        if confidence > 0:
+            chain *= float(torch.softmax(logits, -1)[choice] if params.greedy else q[choice])
+            if chain < confidence:
+                break
+        if i + 1 < k:
+            logits = advance(token, i)
+    q = to_target(torch.stack(dists), draft_ids, vocab_size) if dists else None
+    return Proposal(torch.stack(tokens), q)
 
 
 def _shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:

@@ -31,9 +31,9 @@ import torch
 from specdec.config.schema import DrafterConfig, option
 from specdec.config.validation import Invalid
 from specdec.decoding import compact
-from specdec.decoding.sampling import SamplingParams, probabilities, sample
+from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
-from specdec.drafters.base import Proposal, TrainableDrafter
+from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
 from specdec.drafters.checkpoint import (
     CHECKPOINT_FILE,
     REDUCED_VOCAB_ATTR,
@@ -42,7 +42,7 @@ from specdec.drafters.checkpoint import (
     load_reduced,
     read_meta,
 )
-from specdec.drafters.vocabulary import draft_vocab, to_target
+from specdec.drafters.vocabulary import draft_vocab
 from specdec.errors import ConfigError, ModelError
 from specdec.files import atomic_dir
 
@@ -259,30 +259,23 @@ class DraftModelDrafter(TrainableDrafter):
         generator: torch.Generator | None = None,
     ) -> Proposal:
         logits = self.session.extend(self.session.sync(sequence), last_only=True)[-1]
-        tokens, dists, chain = [], [], 1.0
-        for i in range(k):
-            if self.vocab_map is None:
-                logits = _fit(logits, self.target_vocab_size)
-            if params.greedy:
-                choice = logits.argmax(dim=-1)
-            else:
-                q = probabilities(logits, params)
-                choice = sample(q, generator)
-                dists.append(q)
-            token = choice if self.vocab_map is None else self.vocab_map[choice]
-            tokens.append(token)
-            if self.confidence > 0:
-                p = torch.softmax(logits.float(), -1)[choice] if params.greedy else q[choice]
-                chain *= float(p)
-                if chain < self.confidence:
-                    break
-            if i + 1 < k:
-                logits = self.session.extend(token.view(1))[-1]
-        draft = torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long)
-        return Proposal(draft, self._to_target_vocab(dists) if dists else None)
 
-    def _to_target_vocab(self, dists: list[torch.Tensor]) -> torch.Tensor:
-        return to_target(torch.stack(dists), self.vocab_map, self.target_vocab_size)
+        def fit(logits: torch.Tensor) -> torch.Tensor:
+            return logits if self.vocab_map is not None else _fit(logits, self.target_vocab_size)
+
+        def advance(token: torch.Tensor, i: int) -> torch.Tensor:
+            return fit(self.session.extend(token.view(1))[-1])
+
+        return draft_chain(
+            fit(logits),
+            advance,
+            k,
+            params,
+            generator,
+            self.vocab_map,
+            self.target_vocab_size,
+            self.confidence,
+        )
 
     @property
     def draft_seconds(self) -> float:

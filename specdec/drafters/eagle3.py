@@ -32,11 +32,11 @@ import torch
 from specdec.config.schema import DrafterConfig, option
 from specdec.config.validation import Invalid
 from specdec.decoding.compact import _linear_transposed
-from specdec.decoding.sampling import SamplingParams, probabilities, sample
+from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import eagle3_layouts as layouts
 from specdec.drafters import vocabulary
-from specdec.drafters.base import Proposal, TrainableDrafter
+from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
 from specdec.drafters.checkpoint import CHECKPOINT_FILE, read_meta
 from specdec.drafters.eagle3_model import (
     DraftCache,
@@ -325,34 +325,21 @@ class Eagle3Drafter(TrainableDrafter):
         ids = torch.as_tensor(sequence[start + 1 :], device=self.pending.device)
         x = model.decode(model.embedding(ids), self.pending, start, self.cache, self.linear)[-1:]
         self.verified, self.pending = start + m, self.pending[:0]
-        tokens, dists, chain = [], [], 1.0
-        for i in range(k):
-            logits = model.logits(x, self.linear)[0].float()  # [D]
-            if params.greedy:
-                choice = logits.argmax(dim=-1)
-            else:
-                q = probabilities(logits, params)
-                choice = sample(q, generator)
-                dists.append(q)
-            token = choice if self.draft_ids is None else self.draft_ids[choice]
-            tokens.append(token)
-            if self.confidence > 0:
-                p = torch.softmax(logits, -1)[choice] if params.greedy else q[choice]
-                chain *= float(p)
-                if chain < self.confidence:
-                    break
-            if i + 1 < k:  # the next entry reads the drafted token and the head's own output
-                x = model.decode(
-                    model.embedding(token.view(1)), x, self.verified + i, self.cache, self.linear
-                )
-        self.seconds += self.clock() - t0
-        draft = torch.stack(tokens)
-        q = (
-            vocabulary.to_target(torch.stack(dists), self.draft_ids, self.vocab_size)
-            if dists
-            else None
+        state = {"x": x}
+
+        def advance(token: torch.Tensor, i: int) -> torch.Tensor:
+            # the next entry reads the drafted token and the head's own output
+            embeds = model.embedding(token.view(1))
+            x = model.decode(embeds, state["x"], self.verified + i, self.cache, self.linear)
+            state["x"] = x
+            return model.logits(x, self.linear)[0]
+
+        logits = model.logits(x, self.linear)[0]  # [D]
+        proposal = draft_chain(
+            logits, advance, k, params, generator, self.draft_ids, self.vocab_size, self.confidence
         )
-        return Proposal(draft, q)
+        self.seconds += self.clock() - t0
+        return proposal
 
     def commit(self, num_accepted: int, target_features: dict | None = None) -> None:
         t0 = self.clock()
