@@ -251,3 +251,27 @@ def test_drafter_with_another_vocabulary_is_refused(setup, tmp_path):
     )
     with pytest.raises(ModelError, match="vocabulary"):
         train(recipe)
+
+
+def test_length_groups_cover_each_epoch_once_and_pad_less():
+    from datasets import Dataset
+
+    from specdec.training.loop import micro_batch
+
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.randint(2, 60, (64,), generator=g).tolist()
+    rows = {"input_ids": [[7] * n for n in sizes], "loss_mask": [[1] * n for n in sizes]}
+    rows["input_ids"] = [[i] + ids[1:] for i, ids in enumerate(rows["input_ids"])]  # row id
+    dataset = Dataset.from_dict(rows)
+    lengths = torch.tensor(sizes)
+
+    def epoch(group):
+        batches = [micro_batch(dataset, i, 4, 0, 0, lengths, group) for i in range(16)]
+        seen = sorted(int(b["input_ids"][r, 0]) for b in batches for r in range(4))
+        padding = sum(int((b["attention_mask"] == 0).sum()) for b in batches)
+        return seen, padding
+
+    grouped, padded_grouped = epoch(4)
+    plain, padded_plain = epoch(1)
+    assert grouped == plain == list(range(64))  # every row once per epoch
+    assert padded_grouped < padded_plain / 2
