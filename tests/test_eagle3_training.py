@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-import tiny_models
 import torch
 from safetensors.torch import load_file
-from test_training import QUESTIONS, finish, launch, losses
+from test_training import finish, launch, losses, setup
 
 from specdec import drafters
 from specdec.config import load_recipe
@@ -22,15 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug" / "tiny_eagle3.yaml"
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3")
-    tiny_models.save_tiny(*tiny_models.tiny_llama(), root / "target")
-    (root / "train.jsonl").write_text("\n".join(json.dumps({"prompt": q}) for q in QUESTIONS))
-    (root / "eval.jsonl").write_text(
-        "\n".join(json.dumps({"prompt": q + " Briefly."}) for q in QUESTIONS[:3])
-    )
-    return root
+# the tiny target and prompt files of the draft-model training tests
+files = setup
 
 
 def overrides(files: Path, run_dir: Path, *extra: str) -> list[str]:
