@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from specdec.decoding.sampling import SamplingParams, probabilities
+from specdec.decoding.session import moved_tail
 from specdec.drafters.base import Drafter, Proposal
 
 NEG_INF = float("-inf")
@@ -79,8 +80,15 @@ class MarkovTarget:
     def length(self) -> int:
         return len(self.ids)
 
-    def extend(self, tokens: Sequence[int] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Logits ``[m, V]`` (``[1, V]`` with ``last_only``), row j = ``table[tokens[j]]``."""
+    def extend(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        last_only: bool = False,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[m, V]`` (``[1, V]`` with ``last_only``), row j = ``table[tokens[j]]``
+        whatever the positions and the mask (a tree node's logits depend on its token only)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         self.ids += tokens.tolist()
         logits = self.table[tokens]
@@ -88,6 +96,11 @@ class MarkovTarget:
 
     def rollback(self, length: int) -> None:
         del self.ids[length:]
+
+    def keep(self, indices: Sequence[int]) -> None:
+        start, tail = moved_tail(indices)
+        self.ids[start : start + len(tail)] = [self.ids[i] for i in tail]
+        self.rollback(len(indices))
 
 
 class MarkovDrafter(Drafter):

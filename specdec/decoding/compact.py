@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.decoding.session import ModelSession
+from specdec.decoding.session import ModelSession, moved_tail
 from specdec.errors import ConfigError
 from specdec.layers import resolve_layer
 
@@ -282,15 +282,17 @@ class CompactSession(ModelSession):
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * y.to(x.dtype)
 
+    @torch.inference_mode()
     def keep(self, indices: Sequence[int]) -> None:
-        indices = [int(i) for i in indices]
-        if indices == list(range(len(indices))):
-            return self.rollback(len(indices))
-        index = torch.tensor(indices, device=self.device)
-        n = len(indices)
-        self.kv[:, :, :, :n] = self.kv.index_select(3, index)
-        self._ids = [self.ids[i] for i in indices]
-        self.length = n
+        start, tail = moved_tail(indices)
+        if tail:
+            end = start + len(tail)
+            self.kv[:, :, :, start:end] = self.kv.index_select(
+                3, torch.tensor(tail, device=self.device)
+            )
+            ids = self.ids
+            ids[start:end] = [ids[i] for i in tail]
+        self.rollback(len(indices))
 
     def rollback(self, length: int) -> None:
         if length < self.length:

@@ -133,20 +133,23 @@ class ModelSession:
             self.hidden = {i: out.hidden_states[j][0] for i, j in self._states.items()}
         return logits
 
+    @torch.inference_mode()
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only the cached entries at ``indices`` (ascending), e.g. the verified prefix and
-        the accepted path of a draft tree; ``keep(range(n))`` is a rollback to n tokens."""
-        indices = [int(i) for i in indices]
-        if indices == list(range(len(indices))):
-            return self.rollback(len(indices))
-        index = torch.tensor(indices, device=self.device)
-        for layer in self.cache.layers:
-            if getattr(layer, "is_sliding", False):
-                raise ValueError("keeping entries out of order needs full-attention layers")
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-        self._ids = [self.ids[i] for i in indices]
-        self.length = len(indices)
+        the accepted path of a draft tree; ``keep(range(n))`` is a rollback to n tokens. Only
+        the entries after the common prefix move."""
+        start, tail = moved_tail(indices)
+        if tail:
+            index = torch.tensor(tail, device=self.device)
+            end = start + len(tail)
+            for layer in self.cache.layers:
+                if getattr(layer, "is_sliding", False):
+                    raise ValueError("keeping entries out of order needs full-attention layers")
+                layer.keys[..., start:end, :] = layer.keys.index_select(-2, index)
+                layer.values[..., start:end, :] = layer.values.index_select(-2, index)
+            ids = self.ids
+            ids[start:end] = [ids[i] for i in tail]
+        self.rollback(len(indices))
 
     def rollback(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""
@@ -166,3 +169,15 @@ class ModelSession:
                 common += 1
         self.rollback(common)
         return list(sequence[common:])
+
+
+def moved_tail(indices: Sequence[int]) -> tuple[int, list[int]]:
+    """``(start, tail)``: ``indices[:start]`` is ``0..start-1`` (entries that stay where they
+    are), ``tail`` the rest (entries to move down to ``start..``)."""
+    if isinstance(indices, range) and indices.start == 0 and indices.step == 1:
+        return len(indices), []
+    indices = [int(i) for i in indices]
+    start = 0
+    while start < len(indices) and indices[start] == start:
+        start += 1
+    return start, indices[start:]

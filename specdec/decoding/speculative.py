@@ -6,6 +6,10 @@ verifier keeps the accepted prefix and adds one token of the target's own; both 
 rolled back to what was kept. Without a drafter the same loop is plain autoregressive decoding,
 so the baseline and the method share every line of code outside the draft.
 
+A drafter may propose a tree instead (:mod:`specdec.decoding.tree`): the target then reads
+the root and every node in the same one forward under a tree mask, the verifier walks the
+accepted path, and the caches keep that path only.
+
 Invariant: the target's cache holds every token of the sequence except the last one, which is
 fed at the start of the next round.
 """
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.decoding import tree
 from specdec.decoding.sampling import SamplingParams, choose, probabilities
 from specdec.decoding.session import ModelSession
 from specdec.decoding.verify import verify_greedy, verify_sampling
@@ -31,8 +36,12 @@ class Generation:
         tokens: the new tokens (EOS included when reached), at most max_new_tokens.
         drafted: per round, the number of draft tokens verified.
         accepted: per round, the number of draft tokens accepted.
+        paths: per tree round, the accepted path as sibling ranks (``(0, 1)``: the first child
+            of the root, then that node's second child); chain rounds add nothing.
         draft_seconds / verify_seconds / round_seconds: per-round times (round = draft +
             verify forward + acceptance and bookkeeping).
+        keep_seconds: per round, the time spent compacting the target's cache to the kept
+            tokens (a tree's accepted path, a chain's prefix).
         prefill_seconds: the prompt's forward and the first token.
         target_forward_seconds / draft_forward_seconds: time inside model forwards.
         finished: the sequence ended with EOS.
@@ -41,9 +50,11 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    paths: list[tuple[int, ...]] = field(default_factory=list)
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
     round_seconds: list[float] = field(default_factory=list)
+    keep_seconds: list[float] = field(default_factory=list)
     prefill_seconds: float = 0.0
     target_forward_seconds: float = 0.0
     draft_forward_seconds: float = 0.0
@@ -106,26 +117,32 @@ def generate(
     while out.tokens[-1] not in eos and len(out.tokens) < max_new_tokens:
         t0 = clock()
         budget = min(k, max_new_tokens - len(out.tokens) - 1)
+        proposal = None
         if drafter is not None and budget > 0:
             proposal = drafter.propose(sequence, budget, params, generator)
-            if proposal.parents is not None:
-                raise ValueError(f"{drafter.name} proposed a tree; this loop verifies chains")
-            draft, q = proposal.tokens.to(target.device), proposal.probs
+        if proposal is not None and proposal.parents is not None:
+            t1 = clock()
+            n, new, kept, rows, ranks = _verify_tree(target, sequence, proposal, params, generator)
+            own = len(proposal)
+            out.paths.append(ranks)
         else:
-            draft, q = torch.empty(0, dtype=torch.long, device=target.device), None
-        own = len(draft)
-        if verify_lengths is not None and own and budget > own:
-            draft, q = _pad(draft, q, min(verify_lengths[own], budget + 1) - 1 - own)
-        t1 = clock()
-        logits = target.extend(torch.cat([torch.tensor(sequence[-1:], device=draft.device), draft]))
-        if params.greedy:
-            n, new = verify_greedy(draft, logits)
-        else:
-            n, new = verify_sampling(draft, q, probabilities(logits, params), generator)
+            draft, q = _chain(proposal, target.device)
+            own = len(draft)
+            if verify_lengths is not None and own and budget > own:
+                draft, q = _pad(draft, q, min(verify_lengths[own], budget + 1) - 1 - own)
+            t1 = clock()
+            last = torch.tensor(sequence[-1:], device=draft.device)
+            logits = target.extend(torch.cat([last, draft]))
+            if params.greedy:
+                n, new = verify_greedy(draft, logits)
+            else:
+                n, new = verify_sampling(draft, q, probabilities(logits, params), generator)
+            kept, rows = range(len(sequence) + n), slice(0, n + 1)
         t2 = clock()
-        target.rollback(len(sequence) + n)
+        target.keep(kept)
+        out.keep_seconds.append(clock() - t2)
         if drafter is not None:
-            drafter.commit(n, {i: h[: n + 1] for i, h in target.hidden.items()} or None)
+            drafter.commit(n, {i: h[rows] for i, h in target.hidden.items()} or None)
         new = _stop_at_eos(new, eos)[: max_new_tokens - len(out.tokens)]
         out.tokens += new
         sequence += new
@@ -139,6 +156,38 @@ def generate(
     out.target_forward_seconds = target.forward_seconds - target_start
     out.draft_forward_seconds = (drafter.draft_seconds - draft_start) if drafter else 0.0
     return out
+
+
+def _chain(proposal, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if proposal is None:
+        return torch.empty(0, dtype=torch.long, device=device), None
+    return proposal.tokens.to(device), proposal.probs
+
+
+def _verify_tree(target: ModelSession, sequence: list[int], proposal, params, generator):
+    """One target forward over ``[last token, nodes]`` under the tree mask, then the walk.
+
+    Returns:
+        ``(n, emitted, kept, rows, ranks)``: accepted nodes, emitted tokens, the cache indices
+        to keep (the sequence and the accepted path), the forward's rows of the kept positions
+        (for the drafter's features) and the path as sibling ranks.
+    """
+    parents = [int(j) for j in proposal.parents.tolist()]
+    cached = len(sequence) - 1
+    positions = torch.tensor([cached] + [cached + d for d in tree.depths(parents)])
+    tokens = torch.cat([torch.tensor(sequence[-1:]), proposal.tokens.cpu()]).to(target.device)
+    logits = target.extend(tokens, positions=positions, mask=tree.tree_mask(parents, cached))
+    if params.greedy:
+        path, emitted = tree.verify_tree_greedy(proposal.tokens, parents, logits)
+    else:
+        p = probabilities(logits, params)
+        path, emitted = tree.verify_tree_sampling(
+            proposal.tokens, proposal.probs, parents, p, generator
+        )
+    kids = tree.children(parents)
+    ranks = tuple(kids[1 + parents[j]].index(j) for j in path)
+    rows = [0] + [1 + j for j in path]
+    return len(path), emitted, [*range(cached), *(cached + r for r in rows)], rows, ranks
 
 
 def cheapest_verify_lengths(profile: dict[int, float], k: int) -> list[int]:

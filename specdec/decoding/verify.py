@@ -69,18 +69,18 @@ def verify_sampling(
     if n == k:
         nxt = sample(p[k], generator)
     else:
-        nxt = sample(_residual(p[n], q[n] if q is not None else None, draft[n]), generator)
+        nxt = sample(residual(p[n], q[n] if q is not None else None, draft[n]), generator)
     return n, draft[:n].tolist() + [int(nxt)]
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor | None, drafted: torch.Tensor) -> torch.Tensor:
+def residual(p: torch.Tensor, q: torch.Tensor | None, drafted: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)); for a one-hot q that is p with the drafted token removed."""
     if q is None:
-        residual = p.clone()
-        residual[drafted] = 0.0
+        rest = p.clone()
+        rest[drafted] = 0.0
     else:
-        residual = (p - q).clamp_min(0.0)
-    total = residual.sum()
-    # A rejection has probability 1 - sum(min(p, q)) = sum(residual); a zero residual can only
+        rest = (p - q).clamp_min(0.0)
+    total = rest.sum()
+    # A rejection has probability 1 - sum(min(p, q)) = sum(rest); a zero residual can only
     # be reached through rounding (p == q), where p itself is the correct fallback.
-    return residual / total if total > 0 else p
+    return rest / total if total > 0 else p

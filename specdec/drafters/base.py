@@ -60,10 +60,23 @@ class Drafter:
     forward: str | None = None
     #: stop drafting once the draft's own probability of its chain falls below this (0: never)
     confidence: float | None = None
+    #: the family can draft trees (:mod:`specdec.drafters.tree`)
+    branches: bool = False
+    #: the tree it drafts (a ``TreeSpec``), None: chains
+    tree = None
 
-    def configure(self, forward: str = "auto", confidence: float = 0.0) -> None:
-        """Apply the decoding knobs (``eval.draft_forward``, ``eval.draft_confidence``) that
-        the family has; families without a forward or a confidence stop ignore them."""
+    def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
+        """Apply the decoding knobs (``eval.draft_forward``, ``eval.draft_confidence``, the
+        tree) that the family has; families without a forward or a confidence stop ignore
+        them; a tree for a family that cannot branch is an error.
+
+        Raises:
+            ConfigError: a tree asked of a family that drafts chains only.
+        """
+        if tree is not None and not self.branches:
+            from specdec.errors import ConfigError
+
+            raise ConfigError(f"eval.tree: a '{self.name}' drafter drafts chains only")
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         """Start a new sequence. ``target_features`` holds the requested target layers'

@@ -42,6 +42,7 @@ from specdec.drafters.checkpoint import (
     load_reduced,
     read_meta,
 )
+from specdec.drafters.tree import Slots, draft_tree
 from specdec.drafters.vocabulary import draft_vocab
 from specdec.errors import ConfigError, ModelError
 from specdec.files import atomic_dir
@@ -109,6 +110,7 @@ class DraftModelDrafter(TrainableDrafter):
 
     name = "draft_model"
     config_class = DraftModelConfig
+    branches = True
 
     def __init__(
         self,
@@ -209,9 +211,9 @@ class DraftModelDrafter(TrainableDrafter):
 
     # ------------------------------------------------------------------------ decoding face
 
-    def configure(self, forward: str = "auto", confidence: float = 0.0) -> None:
+    def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
         self.use_forward(forward)
-        self.confidence = confidence
+        self.confidence, self.tree = confidence, tree
 
     def use_forward(self, forward: str) -> None:
         """Choose how the draft runs while decoding (one of :data:`DRAFT_FORWARDS`).
@@ -263,6 +265,9 @@ class DraftModelDrafter(TrainableDrafter):
         def fit(logits: torch.Tensor) -> torch.Tensor:
             return logits if self.vocab_map is not None else _fit(logits, self.target_vocab_size)
 
+        if self.tree is not None:
+            return self._propose_tree(fit(logits), fit, k, params, generator)
+
         def advance(token: torch.Tensor, i: int) -> torch.Tensor:
             return fit(self.session.extend(token.view(1))[-1])
 
@@ -276,6 +281,22 @@ class DraftModelDrafter(TrainableDrafter):
             self.target_vocab_size,
             self.confidence,
         )
+
+    def _propose_tree(self, logits, fit, k, params, generator) -> Proposal:
+        """Draft a tree: one forward per depth over the nodes it expands, each under the tree
+        mask; the nodes leave the draft's cache afterwards (the next round re-syncs)."""
+        base = self.session.length
+        slots = Slots(base)
+
+        def feed(nodes: list[int], parents: list[int], tokens: torch.Tensor) -> torch.Tensor:
+            positions, mask = slots.feed(nodes, parents)
+            return fit(self.session.extend(tokens, positions=positions, mask=mask))
+
+        proposal = draft_tree(
+            self.tree, logits, feed, k, params, generator, self.vocab_map, self.target_vocab_size
+        )
+        self.session.rollback(base)
+        return proposal
 
     @property
     def draft_seconds(self) -> float:

@@ -45,6 +45,7 @@ from specdec.drafters.eagle3_model import (
     init_from_target,
     new_model,
 )
+from specdec.drafters.tree import Slots, draft_tree
 from specdec.errors import ConfigError, ModelError
 from specdec.files import atomic_dir
 
@@ -113,6 +114,7 @@ class Eagle3Drafter(TrainableDrafter):
     """
 
     name = "eagle3"
+    branches = True
     config_class = Eagle3Config
     shift = 1
 
@@ -267,10 +269,10 @@ class Eagle3Drafter(TrainableDrafter):
 
     # ------------------------------------------------------------------------- decoding face
 
-    def configure(self, forward: str = "auto", confidence: float = 0.0) -> None:
+    def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
         if forward not in FORWARDS:
             raise ConfigError(f"draft forward {forward!r}: expected one of {', '.join(FORWARDS)}")
-        self.forward, self.confidence = forward, confidence
+        self.forward, self.confidence, self.tree = forward, confidence, tree
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         self.model.eval()
@@ -325,7 +327,16 @@ class Eagle3Drafter(TrainableDrafter):
         ids = torch.as_tensor(sequence[start + 1 :], device=self.pending.device)
         x = model.decode(model.embedding(ids), self.pending, start, self.cache, self.linear)[-1:]
         self.verified, self.pending = start + m, self.pending[:0]
-        state = {"x": x}
+        logits = model.logits(x, self.linear)[0]  # [D]
+        if self.tree is not None:
+            proposal = self._propose_tree(logits, x, k, params, generator)
+        else:
+            proposal = self._propose_chain(logits, x, k, params, generator)
+        self.seconds += self.clock() - t0
+        return proposal
+
+    def _propose_chain(self, logits, x, k, params, generator) -> Proposal:
+        model, state = self.decoder, {"x": x}
 
         def advance(token: torch.Tensor, i: int) -> torch.Tensor:
             # the next entry reads the drafted token and the head's own output
@@ -334,12 +345,29 @@ class Eagle3Drafter(TrainableDrafter):
             state["x"] = x
             return model.logits(x, self.linear)[0]
 
-        logits = model.logits(x, self.linear)[0]  # [D]
-        proposal = draft_chain(
+        return draft_chain(
             logits, advance, k, params, generator, self.draft_ids, self.vocab_size, self.confidence
         )
-        self.seconds += self.clock() - t0
-        return proposal
+
+    def _propose_tree(self, logits, x, k, params, generator) -> Proposal:
+        """Each node's entry reads its token and its parent's output, attends to the verified
+        entries and its ancestors, at position verified + depth - 1 (as step depth - 1 of
+        training-time test does along a chain)."""
+        model, slots, outputs = self.decoder, Slots(self.verified), {-1: x}
+
+        def feed(nodes: list[int], parents: list[int], tokens: torch.Tensor) -> torch.Tensor:
+            positions, mask = slots.feed(nodes, parents)
+            hidden = torch.cat([outputs[parents[j]] for j in nodes])
+            start = slots.end - len(nodes)
+            out = model.decode(
+                model.embedding(tokens), hidden, start, self.cache, self.linear, positions, mask
+            )
+            outputs.update((j, out[r : r + 1]) for r, j in enumerate(nodes))
+            return model.logits(out, self.linear)
+
+        return draft_tree(
+            self.tree, logits, feed, k, params, generator, self.draft_ids, self.vocab_size
+        )
 
     def commit(self, num_accepted: int, target_features: dict | None = None) -> None:
         t0 = self.clock()

@@ -164,23 +164,40 @@ class Eagle3Model(nn.Module):
             out.append(self.lm_head(self.norm(x)))
         return torch.stack(out)
 
-    def decode(self, embeds, hidden, start: int, cache: DraftCache, linear=F.linear):
-        """Append ``m`` entries at positions ``start..start+m-1`` to ``cache`` and return the
+    def decode(
+        self,
+        embeds,
+        hidden,
+        start: int,
+        cache: DraftCache,
+        linear=F.linear,
+        positions=None,
+        mask=None,
+    ):
+        """Append ``m`` entries at cache slots ``start..start+m-1`` to ``cache`` and return the
         head's outputs ``[m, H]`` (pre-norm: the next step's hidden state).
 
         Args:
             embeds: ``[m, H]`` embeddings of the tokens after each position.
             hidden: ``[m, H]`` fused target features (step 0) or the head's own outputs.
-            start: position of the first entry; entries at and after it are overwritten.
+            start: slot of the first entry; entries at and after it are overwritten.
             cache: the head's KV cache.
             linear: the matrix product to use (``F.linear`` or a faster equivalent).
+            positions: ``[m]`` the entries' positions; None: their slots (a chain).
+            mask: ``[m, start + m]`` booleans, True where an entry may attend (a draft tree);
+                None: causal.
         """
         m, end = hidden.shape[0], start + hidden.shape[0]
-        cache.reserve(end)
+        cache.reserve(end if positions is None else max(end, int(positions.max()) + 1))
         embeds = embeds.to(hidden.dtype)
-        cos, sin = cache.cos[start:end], cache.sin[start:end]
-        mask = None
-        if m > 1:
+        if positions is None:
+            cos, sin = cache.cos[start:end], cache.sin[start:end]
+        else:
+            positions = positions.to(hidden.device)
+            cos, sin = cache.cos[positions], cache.sin[positions]
+        if mask is not None:
+            mask = mask.to(hidden.device)
+        elif m > 1:
             mask = torch.ones(m, end, dtype=torch.bool, device=hidden.device).tril(start)
         x = hidden
         for layer, (keys, values) in zip(self.layers, cache.kv, strict=True):
