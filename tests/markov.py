@@ -14,6 +14,7 @@ import bisect
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdec.decoding.sampling import SamplingParams, probabilities
@@ -56,6 +57,31 @@ def disjoint_table(target: torch.Tensor, seed: int) -> torch.Tensor:
     complement = complement.masked_fill(torch.isfinite(target), NEG_INF)
     even = (torch.arange(target.shape[0]) % 2 == 0)[:, None]
     return torch.where(even, complement, table)
+
+
+def reference_law(table: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """``[V, V]`` the law sampled from after temperature, top-k and top-p, written in numpy
+    independently of :func:`specdec.decoding.sampling.probabilities` (the expected values of
+    the statistical tests must not come from the code under test).
+
+    Top-k keeps the tokens whose logit reaches the k-th largest; top-p keeps, in descending
+    order, each token while the mass before it is still under top_p."""
+    logits = table.double().numpy() / params.temperature
+    out = np.zeros_like(logits)
+    for s, row in enumerate(logits):
+        keep = np.isfinite(row)
+        if 0 < params.top_k < len(row):
+            kth = np.sort(row)[::-1][params.top_k - 1]
+            keep &= row >= kth
+        weights = np.where(keep, np.exp(row - row[keep].max()), 0.0)
+        law = weights / weights.sum()
+        if params.top_p < 1.0:
+            order = np.argsort(-law, kind="stable")
+            before = np.concatenate([[0.0], np.cumsum(law[order])[:-1]])
+            law[order[before >= params.top_p]] = 0.0
+            law /= law.sum()
+        out[s] = law
+    return out
 
 
 class MarkovTarget:

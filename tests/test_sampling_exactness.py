@@ -1,7 +1,8 @@
 """Speculative sampling emits exactly the target's distribution: a statistical test.
 
 The target and the drafters are first-order Markov chains (``tests/markov.py``), so the law of
-each emitted token given the one before is known: ``probabilities(L_p[s], params)``. One long
+each emitted token given the one before is known: ``reference_law(L_P, params)[s]`` (written
+independently of the library's ``probabilities``). One long
 sequence is decoded per configuration and its transition counts s -> t are compared with that
 law by a chi-square test pooled over the previous token s (Anderson and Goodman 1957, "Statistical
 inference about Markov chains"): the sum of the per-row statistics, with the sum of the per-row
@@ -22,10 +23,11 @@ from markov import (
     disjoint_table,
     nearby_table,
     random_table,
+    reference_law,
 )
 from scipy.stats import chi2
 
-from specdec.decoding.sampling import SamplingParams, probabilities
+from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.speculative import generate
 from specdec.decoding.verify import verify_sampling
 
@@ -70,7 +72,7 @@ def transition_test(sequence: list[int], params: SamplingParams) -> dict:
     ids = np.asarray(sequence)
     counts = np.bincount(ids[:-1] * VOCAB + ids[1:], minlength=VOCAB * VOCAB)
     counts = counts.reshape(VOCAB, VOCAB).astype(np.float64)
-    p = probabilities(L_P, params).double().numpy()
+    p = reference_law(L_P, params)
     statistic, df = 0.0, 0
     for s in range(VOCAB):
         support = p[s] > 0

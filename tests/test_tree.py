@@ -70,10 +70,10 @@ class RandomTree(Drafter):
             parents.append(parent)
             tokens.append(token)
             depth[len(tokens) - 1] = depth[parent] + 1
-            if self.mode == "perfect" and parent == on_path and depth[parent] < len(truth):
-                if rng.random() < 0.7:
-                    tokens[-1] = truth[depth[parent]]
-                    on_path = len(tokens) - 1
+            planted = self.mode == "perfect" and parent == on_path and rng.random() < 0.7
+            if planted and depth[parent] < len(truth):
+                tokens[-1] = truth[depth[parent]]
+                on_path = len(tokens) - 1
         return Proposal(torch.tensor(tokens), None, torch.tensor(parents))
 
 
@@ -126,14 +126,14 @@ def test_tree_mask_and_depths_by_hand():
     parents = [-1, -1, 0, 2]
     assert tree.depths(parents) == [1, 1, 2, 3]
     assert tree.children(parents) == [[0, 1], [2], [], [3], []]
-    mask = tree.tree_mask(parents, cached=2).int().tolist()
+    mask = tree.tree_mask(parents).int().tolist()
     assert mask == [
-        # c0 c1 root n0 n1 n2 n3
-        [1, 1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 0, 1, 0, 0],
-        [1, 1, 1, 1, 0, 1, 0],
-        [1, 1, 1, 1, 0, 1, 1],
+        # root n0 n1 n2 n3  (the cache before the root: visible to all)
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 1, 1],
     ]
     with pytest.raises(ValueError, match="parent 3"):
         tree.depths([-1, 3])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.decoding.session import ModelSession, moved_tail
+from specdec.decoding.session import ModelSession, full_mask, moved_tail
 from specdec.errors import ConfigError
 from specdec.layers import resolve_layer
 
@@ -233,8 +233,9 @@ class CompactSession(ModelSession):
 
     def _forward(self, input_ids, start: int, positions=None, mask=None) -> torch.Tensor:
         """Hidden states ``[m, H]`` after the final norm for ``input_ids`` in cache slots
-        ``start..``, at ``positions`` (default: the slots) under ``mask`` (``[m, start + m]``,
-        default: causal among the new tokens, everything cached visible)."""
+        ``start..``, at ``positions`` (default: the slots) under ``mask`` (``[m, w]`` over the
+        last w keys, the earlier ones visible; default: causal among the new tokens, everything
+        cached visible)."""
         m, end = input_ids.shape[0], start + input_ids.shape[0]
         if positions is None:
             cos, sin = self.cos[start:end], self.sin[start:end]
@@ -243,7 +244,7 @@ class CompactSession(ModelSession):
             cos, sin = self.cos[positions], self.sin[positions]
         self.hidden = {}
         if mask is not None:
-            mask = mask.to(self.device)
+            mask = full_mask(mask, end, self.device)
         elif m > 1:
             mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start)
         linear, last = self.linear, len(self.layers) - 1

@@ -88,8 +88,9 @@ class ModelSession:
             last_only: compute logits for the last position only (a prefill or a catch-up
                 feed needs no more; the LM head is a large share of a small model's cost).
             positions: ``[m]`` position ids of the new tokens; None: right after the cache.
-            mask: ``[m, cached + m]`` booleans, True where a new token may attend (a draft
-                tree: each node sees the cache, its ancestors and itself); None: causal.
+            mask: ``[m, w]`` booleans over the last w keys (w <= cached + m; the keys before
+                them are visible to every new token), True where a new token may attend (a
+                draft tree: each node sees the cache, its ancestors and itself); None: causal.
 
         Returns:
             ``[m, V]`` logits (``[1, V]`` with ``last_only``), row j predicting the token after
@@ -110,11 +111,10 @@ class ModelSession:
             positions = torch.arange(start, start + m, device=self.device)
         extra = {}
         if mask is not None:  # transformers' public 4-D mask: additive, [batch, 1, m, kv]
+            mask = full_mask(mask, start + m, self.device)
             blocked = torch.finfo(self.model.dtype).min
             additive = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
-            extra["attention_mask"] = additive.masked_fill(~mask.to(self.device), blocked)[
-                None, None
-            ]
+            extra["attention_mask"] = additive.masked_fill(~mask, blocked)[None, None]
         t0 = self.clock() if self.timed else 0.0
         out = self.model(
             input_ids=input_ids,
@@ -176,8 +176,38 @@ def moved_tail(indices: Sequence[int]) -> tuple[int, list[int]]:
     are), ``tail`` the rest (entries to move down to ``start..``)."""
     if isinstance(indices, range) and indices.start == 0 and indices.step == 1:
         return len(indices), []
-    indices = [int(i) for i in indices]
-    start = 0
-    while start < len(indices) and indices[start] == start:
-        start += 1
-    return start, indices[start:]
+    if isinstance(indices, Kept):
+        start, rest = indices.prefix, indices.tail
+    else:
+        start, rest = 0, [int(i) for i in indices]
+    i = 0
+    while i < len(rest) and rest[i] == start + i:
+        i += 1
+    return start + i, rest[i:]
+
+
+def full_mask(mask: torch.Tensor, keys: int, device=None) -> torch.Tensor:
+    """A ``[m, w]`` mask over the last w of ``keys`` keys as ``[m, keys]``, the earlier keys
+    visible."""
+    mask = mask.to(device)
+    if mask.shape[1] == keys:
+        return mask
+    seen = torch.ones(mask.shape[0], keys - mask.shape[1], dtype=torch.bool, device=mask.device)
+    return torch.cat([seen, mask], dim=1)
+
+
+class Kept(Sequence):
+    """Cache indices ``0..prefix-1`` followed by ``tail``, without listing the prefix (a
+    long sequence's tree round keeps the sequence and a short path)."""
+
+    def __init__(self, prefix: int, tail: Sequence[int]):
+        self.prefix, self.tail = prefix, [int(i) for i in tail]
+
+    def __len__(self) -> int:
+        return self.prefix + len(self.tail)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = i + len(self) if i < 0 else i
+        return i if i < self.prefix else self.tail[i - self.prefix]

@@ -23,7 +23,7 @@ import torch
 
 from specdec.decoding import tree
 from specdec.decoding.sampling import SamplingParams, choose, probabilities
-from specdec.decoding.session import ModelSession
+from specdec.decoding.session import Kept, ModelSession
 from specdec.decoding.verify import verify_greedy, verify_sampling
 from specdec.drafters.base import Drafter
 
@@ -176,7 +176,7 @@ def _verify_tree(target: ModelSession, sequence: list[int], proposal, params, ge
     cached = len(sequence) - 1
     positions = torch.tensor([cached] + [cached + d for d in tree.depths(parents)])
     tokens = torch.cat([torch.tensor(sequence[-1:]), proposal.tokens.cpu()]).to(target.device)
-    logits = target.extend(tokens, positions=positions, mask=tree.tree_mask(parents, cached))
+    logits = target.extend(tokens, positions=positions, mask=tree.tree_mask(parents))
     if params.greedy:
         path, emitted = tree.verify_tree_greedy(proposal.tokens, parents, logits)
     else:
@@ -187,7 +187,7 @@ def _verify_tree(target: ModelSession, sequence: list[int], proposal, params, ge
     kids = tree.children(parents)
     ranks = tuple(kids[1 + parents[j]].index(j) for j in path)
     rows = [0] + [1 + j for j in path]
-    return len(path), emitted, [*range(cached), *(cached + r for r in rows)], rows, ranks
+    return len(path), emitted, Kept(cached, [cached + r for r in rows]), rows, ranks
 
 
 def cheapest_verify_lengths(profile: dict[int, float], k: int) -> list[int]:

@@ -58,15 +58,16 @@ def ancestors(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def tree_mask(parents: list[int], cached: int, device=None) -> torch.Tensor:
-    """``[n + 1, cached + n + 1]`` booleans: the root row and one row per node, True where it
-    may attend (the cache, the root, its ancestors and itself)."""
+def tree_mask(parents: list[int], device=None) -> torch.Tensor:
+    """``[n + 1, n + 1]`` booleans over ``[root, nodes]``: True where a row may attend (the
+    root, its ancestors and itself); the cache before the root is visible to every row."""
     n = len(parents)
-    mask = torch.zeros(n + 1, cached + n + 1, dtype=torch.bool)
-    mask[:, : cached + 1] = True
-    for j in range(n):
-        mask[1 + j, [cached + 1 + a for a in ancestors(parents, j)]] = True
-    return mask.to(device)
+    rows = [[True] + [False] * n]
+    for j, parent in enumerate(parents):
+        row = list(rows[1 + parent])  # the parent's row (the root's for -1), plus itself
+        row[1 + j] = True
+        rows.append(row)
+    return torch.tensor(rows, device=device)
 
 
 def children(parents: list[int]) -> list[list[int]]:

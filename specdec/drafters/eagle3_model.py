@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.decoding.session import full_mask
+
 
 class RMSNorm(nn.Module):
     """transformers' RMSNorm: normalised in float32, scaled by the weight."""
@@ -184,8 +186,8 @@ class Eagle3Model(nn.Module):
             cache: the head's KV cache.
             linear: the matrix product to use (``F.linear`` or a faster equivalent).
             positions: ``[m]`` the entries' positions; None: their slots (a chain).
-            mask: ``[m, start + m]`` booleans, True where an entry may attend (a draft tree);
-                None: causal.
+            mask: ``[m, w]`` booleans over the last w entries (the earlier ones visible),
+                True where an entry may attend (a draft tree); None: causal.
         """
         m, end = hidden.shape[0], start + hidden.shape[0]
         cache.reserve(end if positions is None else max(end, int(positions.max()) + 1))
@@ -196,7 +198,7 @@ class Eagle3Model(nn.Module):
             positions = positions.to(hidden.device)
             cos, sin = cache.cos[positions], cache.sin[positions]
         if mask is not None:
-            mask = mask.to(hidden.device)
+            mask = full_mask(mask, end, hidden.device)
         elif m > 1:
             mask = torch.ones(m, end, dtype=torch.bool, device=hidden.device).tril(start)
         x = hidden

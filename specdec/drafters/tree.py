@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.decoding.sampling import SamplingParams, probabilities, sample
+from specdec.decoding.sampling import SamplingParams, probabilities
 from specdec.decoding.tree import ancestors, depths
 from specdec.drafters.base import Proposal
 from specdec.drafters.vocabulary import to_target
@@ -103,16 +103,16 @@ class Slots:
         self.base, self.end, self.slot = base, base, {}
 
     def feed(self, nodes: list[int], parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Place ``nodes`` next in the cache; return their ``[m]`` positions and the ``[m, end]``
-        mask (the verified entries, the node's fed ancestors and itself)."""
+        """Place ``nodes`` next in the cache; return their ``[m]`` positions and their mask
+        over the tree's entries, ``[m, end - base]`` (the verified entries before are visible:
+        a node sees them, its fed ancestors and itself)."""
         start, m = self.end, len(nodes)
         for r, j in enumerate(nodes):
             self.slot[j] = start + r
         self.end += m
-        mask = torch.zeros(m, self.end, dtype=torch.bool)
-        mask[:, : self.base] = True
+        mask = torch.zeros(m, self.end - self.base, dtype=torch.bool)
         for r, j in enumerate(nodes):
-            mask[r, [self.slot[a] for a in ancestors(parents, j)]] = True
+            mask[r, [self.slot[a] - self.base for a in ancestors(parents, j)]] = True
         depth = depths(parents)
         positions = torch.tensor([self.base + depth[j] - 1 for j in nodes])
         return positions, mask
@@ -164,43 +164,51 @@ def _static(spec, logits, feed, k, params, generator):
     choices = [c for c in spec.choices if len(c) <= k]
     node = {(): -1}
     draft, parents, q = [], [], []
-    rows = {(): logits}
+    rows = logits[None]  # [f, D] the logits of the nodes expanded at this depth
     for depth in range(1, max(map(len, choices)) + 1):
         level = [c for c in choices if len(c) == depth]
         expand = list(dict.fromkeys(c[:-1] for c in level if c[:-1] in node))
         if depth > 1:
             fed = [node[p] for p in expand]
-            out = feed(fed, parents, [draft[j] for j in fed])
-            rows = dict(zip(expand, out, strict=True))
-        for prefix in expand:
-            ranks = sorted(c[-1] for c in level if c[:-1] == prefix)
-            drawn = _children(rows[prefix], ranks[-1] + 1, params, generator)
-            for rank, (token, dist) in enumerate(drawn):
-                if rank in ranks:
+            rows = feed(fed, parents, [draft[j] for j in fed])
+        ranks = [{c[-1] for c in level if c[:-1] == prefix} for prefix in expand]
+        drawn, laws = _children(rows, max(map(max, ranks)) + 1, params, generator)
+        for r, prefix in enumerate(expand):
+            for rank in sorted(ranks[r]):
+                if rank < len(drawn[r]):
                     node[prefix + (rank,)] = len(draft)
-                    draft.append(token)
+                    draft.append(drawn[r][rank])
                     parents.append(node[prefix])
-                    if dist is not None:
-                        q.append(dist)
+                    if laws is not None:
+                        q.append(laws[r, rank])
     return draft, parents, q
 
 
 def _children(logits: torch.Tensor, n: int, params: SamplingParams, generator):
-    """Up to ``n`` distinct children: the top n (greedy), or n draws without replacement,
-    each with the law it was drawn from."""
+    """Up to ``n`` distinct children of each of ``f`` nodes from their ``[f, D]`` logits: the
+    top n (greedy), or n draws without replacement from the draft's q, each with the law it
+    was drawn from (q without the earlier draws, renormalised). The draws use the Gumbel-top-k
+    trick (Kool et al. 2019): the n largest of log q + Gumbel noise are distributed as n
+    sequential draws without replacement.
+
+    Returns:
+        ``(tokens, laws)``: per node, its children's draft ids; ``[f, n, D]`` their laws, or
+        None when greedy.
+    """
+    n = min(n, logits.shape[-1])
     if params.greedy:
-        return [(int(t), None) for t in logits.float().topk(min(n, logits.shape[-1])).indices]
-    rest, out = probabilities(logits, params), []
-    for _ in range(n):
-        total = rest.sum()
-        if total <= 0:
-            break
-        law = rest / total
-        token = int(sample(law, generator))
-        out.append((token, law))
-        rest = rest.clone()
-        rest[token] = 0.0
-    return out
+        return logits.float().topk(n, dim=-1).indices.tolist(), None
+    q = probabilities(logits, params)  # [f, D]
+    u = torch.rand(q.shape, device=q.device, generator=generator).clamp_min(1e-20)
+    drawn = (q.log() - (-u.log()).log()).topk(n, dim=-1).indices  # [f, n]
+    taken = torch.zeros(q.shape[0], n, q.shape[-1], device=q.device)
+    taken[:, 1:] = torch.nn.functional.one_hot(drawn[:, :-1], q.shape[-1]).cumsum(1)
+    laws = q[:, None] * (1 - taken)  # [f, n, D]
+    mass = laws.sum(-1, keepdim=True)
+    # a node with fewer than n tokens of positive q has fewer children
+    support = (q > 0).sum(-1).tolist()
+    tokens = [row[:m] for row, m in zip(drawn.tolist(), support, strict=True)]
+    return tokens, laws / mass.clamp_min(1e-30)
 
 
 def _dynamic(spec, logits, feed, k, params, generator):
