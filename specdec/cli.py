@@ -20,7 +20,8 @@ from specdec.errors import SpecdecError
 #: description of the decoding knobs (type, range, help); a flag is ``--`` + the key
 EVAL_FLAGS = (
     "num_prompts", "warmup_prompts", "k", "temperature", "top_k", "top_p", "max_new_tokens",
-    "seed", "draft_forward", "draft_confidence", "target_forward",
+    "seed", "draft_forward", "draft_confidence", "target_forward", "tree", "tree_top_k",
+    "tree_budget", "tree_max_nodes", "tree_choices",
 )  # fmt: skip
 #: recipe keys of the other flags that describe what to score against
 TARGET_FLAGS = {"target": "target.model", "dtype": "target.dtype", "cache_dir": "target.cache_dir"}
@@ -162,6 +163,15 @@ def _check(args: argparse.Namespace) -> None:
         print(f"ok  {path}")
 
 
+def _json(text: str):
+    import json
+
+    return json.loads(text)
+
+
+_json.__name__ = "JSON"
+
+
 def _add_eval_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per :data:`EVAL_FLAGS` key, typed and described by the recipe schema."""
     import dataclasses
@@ -174,7 +184,10 @@ def _add_eval_flags(parser: argparse.ArgumentParser) -> None:
     for key in EVAL_FLAGS:
         tp, f = hints(EvalConfig)[key], fields[key]
         names = [_flag(key)] + (["--warmup"] if key == "warmup_prompts" else [])
-        extra = {"choices": get_args(tp)} if get_origin(tp) is Literal else {"type": tp}
+        if get_origin(tp) is Literal:
+            extra = {"choices": get_args(tp)}
+        else:
+            extra = {"type": _json if get_origin(tp) is list else tp}
         parser.add_argument(
             *names,
             dest=key,

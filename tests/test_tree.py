@@ -280,3 +280,50 @@ def own_logits(drafter, target, sequence, path) -> torch.Tensor:
     finally:
         model.cfg["steps"] = steps
     return unrolled[len(path), 0, len(sequence) - 2]  # step s at row t predicts token t + 2 + s
+
+
+# ----------------------------------------------------------------------------------- scoring
+
+
+@pytest.mark.parametrize(
+    ("tree_flags", "target_forward"),
+    [
+        (["--tree", "dynamic", "--tree-top-k", 2], "transformers"),
+        (["--tree", "static"], "compact"),  # calibrated on the warm-up prompt
+        (["--tree", "static", "--tree-choices", "[[0], [1], [0, 0], [0, 0, 0]]"], "compact"),
+    ],
+)
+def test_scoring_a_perfect_tree(tiny_llama_dir, tmp_path, tree_flags, target_forward):
+    """The target as its own draft model: its top tokens are the target's, so the best first
+    node is always accepted, and a static tree whose deepest path is the top one is accepted
+    to its depth (alpha 1); the score records the tree, its size and the compaction cost."""
+    import json
+
+    from specdec.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = ["Say hello to the sea.", "Write a loop in Python.", "List three colors."]
+    prompts.write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    out = tmp_path / "score.json"
+    argv = ["score", "--draft-model", tiny_llama_dir, "--target", tiny_llama_dir]
+    argv += ["--prompts", prompts, "--num-prompts", 2, "--max-new-tokens", 10, "--k", 3]
+    argv += ["--draft-forward", "float32", "--target-forward", target_forward]
+    argv += ["--tree-max-nodes", 6, *tree_flags, "--out", out]
+    assert main(list(map(str, argv))) == 0
+    result = json.loads(out.read_text())
+    assert result["greedy_match_rate"] == 1.0
+    assert result["accept_rate_per_position"][0] == 1.0  # the best node: the top first token
+    assert sum(result["accepted_length_histogram"]) == result["rounds"]
+    assert 0 < result["keep_fraction"] < 1
+    tree_kind = tree_flags[1]
+    assert result["tree"]["kind"] == tree_kind
+    if tree_kind == "static":  # every deepest path is the top one: all of it accepted
+        assert result["alpha"] == 1.0
+        choices = result["tree"]["choices"]
+        if "--tree-choices" in tree_flags:
+            assert choices == [[0], [1], [0, 0], [0, 0, 0]]
+            assert result["accept_rate_per_position"] == [1.0, 1.0, 1.0]
+        else:  # only top paths are ever accepted: the calibrated tree is such a chain
+            assert choices == [[0], [0, 0], [0, 0, 0]][: len(choices)]
+    else:
+        assert 0 < result["mean_drafted"] <= 6  # (a last round may have no budget left)

@@ -214,6 +214,30 @@ class EvalConfig:
         "compact forward in the target's own dtype on a CPU where the architecture has one, "
         "else transformers' forward; compact asks for it on any device.",
     )
+    tree: Literal["chain", "static", "dynamic"] = _opt(
+        "chain",
+        "What the drafter proposes each round: a chain of k tokens, a static tree (the rank "
+        "paths of tree_choices) or a dynamic tree (EAGLE-2: depth k, expanded by the draft's "
+        "confidence); trees are verified in one target forward.",
+    )
+    tree_top_k: int = _opt(
+        4, "Dynamic trees: children per expanded node and nodes expanded per depth.", ge=1
+    )
+    tree_budget: int = _opt(
+        0,
+        "Dynamic trees: nodes verified per round; 0 chooses it each round from the measured "
+        "cost of a target forward over 1 + m tokens and the draft's confidence.",
+        ge=0,
+    )
+    tree_max_nodes: int = _opt(
+        24, "The largest tree verified (the verify cost is measured up to it).", ge=1
+    )
+    tree_choices: list[list[int]] = _opt(
+        [],
+        "Static tree as rank paths, e.g. [[0], [1], [0, 0]] (the draft's top two tokens and "
+        "the top one after the first); []: calibrated on the warm-up prompts from the paths "
+        "dynamic trees get accepted, sized by the measured verify cost.",
+    )
 
 
 @dataclass

@@ -190,8 +190,24 @@ def _cross_checks(r: Recipe) -> None:
     if not r.run.name.strip():
         raise Invalid("run.name", "expected a non-empty name")
     r.drafter.check()
+    _check_tree(r.eval)
     if r.loss.mix and sum(r.loss.mix.values()) <= 0:
         raise Invalid("loss.mix", "expected weights with a positive sum")
+
+
+def _check_tree(ev) -> None:
+    from specdec.drafters.tree import check_choices
+
+    if ev.tree_choices:
+        try:
+            check_choices(ev.tree_choices)
+        except ValueError as err:
+            message = str(err).removeprefix("tree choices: ")
+            raise Invalid("eval.tree_choices", message) from None
+    elif ev.tree == "static" and ev.warmup_prompts < 1:
+        message = "a static tree without choices is calibrated on the warm-up prompts: expected "
+        message += "eval.warmup_prompts >= 1, or the choices"
+        raise Invalid("eval.tree_choices", message, also=["eval.tree", "eval.warmup_prompts"])
 
 
 def validate(data: Any) -> Recipe:

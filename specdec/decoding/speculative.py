@@ -34,7 +34,8 @@ class Generation:
 
     Attributes:
         tokens: the new tokens (EOS included when reached), at most max_new_tokens.
-        drafted: per round, the number of draft tokens verified.
+        drafted: per round, the number of draft tokens verified (a tree's node count).
+        depths: per round, the draft's depth (a chain's length, a tree's deepest path).
         accepted: per round, the number of draft tokens accepted.
         paths: per tree round, the accepted path as sibling ranks (``(0, 1)``: the first child
             of the root, then that node's second child); chain rounds add nothing.
@@ -49,6 +50,7 @@ class Generation:
 
     tokens: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     paths: list[tuple[int, ...]] = field(default_factory=list)
     draft_seconds: list[float] = field(default_factory=list)
@@ -122,12 +124,14 @@ def generate(
             proposal = drafter.propose(sequence, budget, params, generator)
         if proposal is not None and proposal.parents is not None:
             t1 = clock()
-            n, new, kept, rows, ranks = _verify_tree(target, sequence, proposal, params, generator)
+            n, new, kept, rows, ranks, depth = _verify_tree(
+                target, sequence, proposal, params, generator
+            )
             own = len(proposal)
             out.paths.append(ranks)
         else:
             draft, q = _chain(proposal, target.device)
-            own = len(draft)
+            own = depth = len(draft)
             if verify_lengths is not None and own and budget > own:
                 draft, q = _pad(draft, q, min(verify_lengths[own], budget + 1) - 1 - own)
             t1 = clock()
@@ -147,6 +151,7 @@ def generate(
         out.tokens += new
         sequence += new
         out.drafted.append(own)  # padding counts in tau when accepted, not in acceptance rates
+        out.depths.append(depth)
         out.accepted.append(min(n, own))
         out.draft_seconds.append(t1 - t0)
         out.verify_seconds.append(t2 - t1)
@@ -168,13 +173,14 @@ def _verify_tree(target: ModelSession, sequence: list[int], proposal, params, ge
     """One target forward over ``[last token, nodes]`` under the tree mask, then the walk.
 
     Returns:
-        ``(n, emitted, kept, rows, ranks)``: accepted nodes, emitted tokens, the cache indices
-        to keep (the sequence and the accepted path), the forward's rows of the kept positions
-        (for the drafter's features) and the path as sibling ranks.
+        ``(n, emitted, kept, rows, ranks, depth)``: accepted nodes, emitted tokens, the cache
+        indices to keep (the sequence and the accepted path), the forward's rows of the kept
+        positions (for the drafter's features), the path as sibling ranks and the tree's depth.
     """
     parents = [int(j) for j in proposal.parents.tolist()]
     cached = len(sequence) - 1
-    positions = torch.tensor([cached] + [cached + d for d in tree.depths(parents)])
+    depths = tree.depths(parents)
+    positions = torch.tensor([cached] + [cached + d for d in depths])
     tokens = torch.cat([torch.tensor(sequence[-1:]), proposal.tokens.cpu()]).to(target.device)
     logits = target.extend(tokens, positions=positions, mask=tree.tree_mask(parents))
     if params.greedy:
@@ -187,7 +193,8 @@ def _verify_tree(target: ModelSession, sequence: list[int], proposal, params, ge
     kids = tree.children(parents)
     ranks = tuple(kids[1 + parents[j]].index(j) for j in path)
     rows = [0] + [1 + j for j in path]
-    return len(path), emitted, Kept(cached, [cached + r for r in rows]), rows, ranks
+    kept = Kept(cached, [cached + r for r in rows])
+    return len(path), emitted, kept, rows, ranks, max(depths, default=0)
 
 
 def cheapest_verify_lengths(profile: dict[int, float], k: int) -> list[int]:

@@ -24,19 +24,23 @@ def acceptance(gens: Sequence[Generation], k: int) -> dict:
 
     Returns:
         ``{"tau", "alpha", "accept_rate_per_position", "conditional_accept_rate_per_position",
-        "accepted_length_histogram", "rounds", "mean_drafted"}``; position lists have k entries.
+        "accepted_length_histogram", "rounds", "mean_drafted", "mean_depth"}``; position lists
+        have k entries. A tree's positions are depths: accept@i is the share of rounds whose
+        accepted path reaches depth i, among those whose tree does.
     """
     drafted = [d for g in gens for d in g.drafted]
+    # the draft's depth: a chain's length, a tree's deepest path (positions are depths)
+    depths = [d for g in gens for d in (g.depths or g.drafted)]
     accepted = [a for g in gens for a in g.accepted]
     rounds = len(drafted)
     emitted = sum(g.decode_tokens for g in gens)
     reached = [
-        sum(1 for d, a in zip(drafted, accepted, strict=True) if d >= i and a >= i - 1)
+        sum(1 for d, a in zip(depths, accepted, strict=True) if d >= i and a >= i - 1)
         for i in range(1, k + 1)
     ]
     passed = [sum(1 for a in accepted if a >= i) for i in range(1, k + 1)]
-    offered = [sum(1 for d in drafted if d >= i) for i in range(1, k + 1)]
-    rejections = sum(1 for d, a in zip(drafted, accepted, strict=True) if a < d)
+    offered = [sum(1 for d in depths if d >= i) for i in range(1, k + 1)]
+    rejections = sum(1 for d, a in zip(depths, accepted, strict=True) if a < d)
     return {
         "tau": emitted / rounds if rounds else 0.0,
         "alpha": _ratio(sum(accepted), sum(accepted) + rejections),
@@ -47,6 +51,7 @@ def acceptance(gens: Sequence[Generation], k: int) -> dict:
         "accepted_length_histogram": [sum(1 for a in accepted if a == n) for n in range(k + 1)],
         "rounds": rounds,
         "mean_drafted": _ratio(sum(drafted), rounds),
+        "mean_depth": _ratio(sum(depths), rounds),
     }
 
 
@@ -76,6 +81,8 @@ def timing(method: Sequence[Generation], baseline: Sequence[Generation]) -> dict
         "target_step_seconds": _ratio(sum(sum(g.round_seconds) for g in baseline), b_rounds),
         # time in rounds spent outside model forwards (sampling, verification, bookkeeping)
         "overhead_fraction": _ratio(round_seconds + prefill - forwards, round_seconds + prefill),
+        # compacting the target's cache to the kept tokens (a tree's path), share of the rounds
+        "keep_fraction": _ratio(sum(sum(g.keep_seconds) for g in method), round_seconds),
     }
 
 

@@ -13,6 +13,7 @@ def table(result: dict) -> str:
         ("prompts", f"{result['num_prompts']} (+{result['warmup_prompts']} warm-up)"),
         ("k / temperature", f"{s['k']} / {s['temperature']}"),
         ("mean draft length", f"{result.get('mean_drafted', 0):.2f}"),
+        ("tree", _tree(result)),
         ("tau (tokens per target forward)", f"{result['tau']:.3f}"),
         ("alpha (per-token acceptance)", f"{result['alpha']:.3f}"),
         ("accept@i", " ".join(f"{a:.2f}" for a in result["accept_rate_per_position"])),
@@ -33,6 +34,7 @@ def table(result: dict) -> str:
             f"{result['bound_speedup']:.3f}x / {result['efficiency']:.2f}",
         ),
         ("overhead outside forwards", f"{100 * result['overhead_fraction']:.1f}%"),
+        ("KV compaction (share of rounds)", f"{100 * result.get('keep_fraction', 0):.2f}%"),
         (
             "forwards: target / draft",
             f"{s.get('target_forward', 'auto')} / {result.get('draft_forward') or '-'}"
@@ -95,3 +97,15 @@ def plot(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _tree(result: dict) -> str:
+    tree = result.get("tree")
+    if not tree:
+        return "chain"
+    depth = (
+        f"mean size {result.get('mean_drafted', 0):.1f}, depth {result.get('mean_depth', 0):.2f}"
+    )
+    if tree["kind"] == "static":
+        return f"static, {len(tree['choices'])} rank paths, {depth}"
+    return f"dynamic, top-{tree['top_k']}, budget {tree['budget']}, {depth}"

@@ -24,6 +24,7 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import Generation, cheapest_verify_lengths, generate
 from specdec.drafters.base import Drafter
+from specdec.drafters.tree import TREE_KINDS, TreeSpec, calibrated_choices, check_choices
 from specdec.errors import ConfigError
 from specdec.scoring import metrics
 from specdec.target import eos_token_ids
@@ -50,6 +51,12 @@ class ScoreSettings:
     target_forward: str = "auto"
     #: a draft model stops drafting when its chain's probability falls below this (0: never)
     draft_confidence: float = 0.0
+    #: chain, static or dynamic (see ``EvalConfig.tree``)
+    tree: str = "chain"
+    tree_top_k: int = 4
+    tree_budget: int = 0
+    tree_max_nodes: int = 24
+    tree_choices: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_eval(cls, ev, **more) -> ScoreSettings:
@@ -66,6 +73,18 @@ class ScoreSettings:
             raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0 <= self.draft_confidence < 1:
             raise ConfigError(f"draft_confidence: must be in [0, 1), got {self.draft_confidence}")
+        if self.tree not in TREE_KINDS:
+            raise ConfigError(f"tree: expected one of {', '.join(TREE_KINDS)}, got {self.tree!r}")
+        if self.tree_choices:
+            try:
+                check_choices(self.tree_choices)
+            except ValueError as err:
+                raise ConfigError(str(err).replace("tree choices", "tree_choices")) from None
+        elif self.tree == "static" and self.warmup_prompts < 1:
+            raise ConfigError(
+                "tree_choices: a static tree without choices is calibrated on the warm-up "
+                "prompts; set warmup_prompts >= 1 or give the choices"
+            )
 
     @property
     def params(self) -> SamplingParams:
@@ -123,6 +142,7 @@ def score(
     """
     settings.check()
     params = settings.params
+    chain = settings.tree == "chain"
     drafter.configure(settings.draft_forward, settings.draft_confidence)
     eos = eos_token_ids(model, tokenizer)
     target = target_session(model, settings.target_forward, drafter.required_target_layers)
@@ -130,8 +150,10 @@ def score(
     warm = min(settings.warmup_prompts, max(len(encoded) - 1, 0))
     device = target.device
 
-    profile = cost_profile(target, encoded[0], settings.k + 1)
-    lengths = cheapest_verify_lengths(profile, settings.k) if settings.shape_verify else None
+    longest = settings.k + 1 if chain else max(settings.k, settings.tree_max_nodes) + 1
+    profile = cost_profile(target, encoded[0], longest)
+    shaped = settings.shape_verify and chain
+    lengths = cheapest_verify_lengths(profile, settings.k) if shaped else None
 
     def run(ids: list[int], with_drafter: bool, index: int) -> Generation:
         gen = torch.Generator(device=device).manual_seed(settings.seed + index)
@@ -146,6 +168,19 @@ def score(
             generator=gen,
             verify_lengths=lengths if with_drafter else None,
         )
+
+    tree = None
+    if not chain:
+        costs = tuple(profile[m + 1] for m in range(settings.tree_max_nodes + 1))
+        tree = tree_spec(settings, costs)
+        if settings.tree == "static" and not settings.tree_choices:
+            drafter.configure(settings.draft_forward, settings.draft_confidence, tree)
+            calibration = [run(ids, True, i) for i, ids in enumerate(encoded[:warm])]
+            paths = [p for g in calibration for p in g.paths]
+            rounds = sum(len(g.paths) for g in calibration)
+            choices = calibrated_choices(paths, rounds, costs)
+            tree = TreeSpec("static", choices, verify_costs=costs)
+        drafter.configure(settings.draft_forward, settings.draft_confidence, tree)
 
     method, baseline = [], []
     for i, ids in enumerate(encoded):
@@ -173,6 +208,7 @@ def score(
     result["warmup_prompts"] = warm
     result["settings"] = vars(settings).copy()
     result["drafter"] = drafter.name
+    result["tree"] = tree.describe() if tree is not None else None
     # what the drafter applied of the settings (prompt lookup has no forward or confidence)
     result["draft_forward"] = drafter.forward
     result["draft_confidence"] = drafter.confidence
@@ -180,18 +216,38 @@ def score(
     return result
 
 
+def tree_spec(settings: ScoreSettings, verify_costs: tuple[float, ...]) -> TreeSpec:
+    """The tree the settings ask for. A static tree without choices starts as the dynamic
+    tree whose accepted paths calibrate it (see :func:`score`)."""
+    if settings.tree == "static" and settings.tree_choices:
+        choices = tuple(tuple(c) for c in settings.tree_choices)
+        return TreeSpec("static", choices, verify_costs=verify_costs)
+    return TreeSpec(
+        "dynamic",
+        top_k=settings.tree_top_k,
+        budget=min(settings.tree_budget, settings.tree_max_nodes),
+        verify_costs=verify_costs,
+    )
+
+
 def summarize(method: list[Generation], baseline: list[Generation], settings) -> dict:
     """Acceptance, timing, cost ratios, bound and identity for matched generations."""
     out = metrics.acceptance(method, settings.k)
     out.update(metrics.timing(method, baseline))
     step = out["target_step_seconds"]
-    per_draft = out["draft_seconds_per_round"] / out["mean_drafted"] if out["mean_drafted"] else 0
+    # c: one draft forward (a chain drafts a token per forward, a tree a depth per forward)
+    per_draft = out["draft_seconds_per_round"] / out["mean_depth"] if out["mean_depth"] else 0
     out["c"] = per_draft / step if step else 0.0
     out["v"] = out["verify_seconds_per_round"] / step if step else 0.0
-    # drafts shorter than k (prompt lookup without a match, a confidence stop): the bound at
-    # the mean draft length
-    drafted = min(out["mean_drafted"], settings.k) if out["rounds"] else settings.k
-    out["bound_speedup"] = metrics.speedup_bound(out["alpha"], drafted, out["c"], out["v"])
+    if getattr(settings, "tree", "chain") != "chain":
+        # a tree: the accepted length per round over the round's measured forwards
+        cost = out["mean_depth"] * out["c"] + out["v"]
+        out["bound_speedup"] = out["tau"] / cost if cost else 0.0
+    else:
+        # drafts shorter than k (prompt lookup without a match, a confidence stop): the bound
+        # at the mean draft length
+        drafted = min(out["mean_drafted"], settings.k) if out["rounds"] else settings.k
+        out["bound_speedup"] = metrics.speedup_bound(out["alpha"], drafted, out["c"], out["v"])
     out["efficiency"] = out["speedup"] / out["bound_speedup"] if out["bound_speedup"] else 0.0
     out.update(metrics.greedy_identity(method, baseline))
     if settings.temperature > 0:
