@@ -78,3 +78,36 @@ def test_eagle3_head_greedy_identical_on_smollm2(smollm2, cases, forward):
     for prompt, expected in examples:
         got = generate(session, prompt, drafter=head, k=4, max_new_tokens=24, eos_token_ids=eos)
         assert got.tokens == expected
+
+
+STATIC = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_tree_decoding_greedy_identical_on_smollm2(smollm2, cases, tree):
+    """Draft trees on the real target, through the transformers and the compact sessions:
+    a draft model (SmolLM2's first 4 layers) and an untrained EAGLE-3 head, static and
+    dynamic trees; the output is the target's, token for token."""
+    from specdec import drafters
+    from specdec.decoding.compact import target_session
+    from specdec.drafters.eagle3 import Eagle3Config
+    from specdec.drafters.tree import TreeSpec
+
+    model = smollm2.model
+    spec = TreeSpec("static", STATIC) if tree == "static" else TreeSpec("dynamic", 3, budget=10)
+    torch.manual_seed(0)
+    counts = torch.arange(smollm2.vocab_size, 0, -1).float()
+    head = drafters.build(smollm2, Eagle3Config(draft_vocab_size=4096), counts)
+    examples, eos = cases
+    accepted = 0
+    for drafter in (DraftModelDrafter(truncated(model, 4), model.config.vocab_size), head):
+        drafter.configure("auto", 0.0, spec)
+        for forward in ("transformers", "compact"):
+            session = target_session(model, forward, drafter.required_target_layers)
+            for prompt, expected in examples:
+                got = generate(
+                    session, prompt, drafter=drafter, k=4, max_new_tokens=24, eos_token_ids=eos
+                )
+                assert got.tokens == expected
+                accepted += sum(got.accepted)
+    assert accepted > 0

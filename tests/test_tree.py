@@ -261,6 +261,45 @@ def test_tree_nodes_follow_their_own_paths(target, name, spec, monkeypatch):
                 assert tokens[j] == int(token)
 
 
+@pytest.mark.parametrize("spec", [STATIC, DYNAMIC], ids=["static", "dynamic"])
+def test_draft_model_keeps_the_accepted_path_of_its_tree(target, spec, monkeypatch):
+    """After a tree round the draft model keeps its cache entries of the accepted path and
+    drops the rest: every later tree equals the tree a fresh drafter drafts from scratch on
+    the same sequence (a wrong entry kept would change the logits of what follows)."""
+    # the target as its own draft: long accepted paths, so kept entries matter
+    drafter = DraftModelDrafter(target.model, target.vocab_size, forward="float32")
+    fresh = DraftModelDrafter(target.model, target.vocab_size, forward="float32")
+    for d in (drafter, fresh):
+        d.configure("float32", tree=spec)
+    kept = []
+    keep = type(drafter.session).keep
+
+    def counting_keep(session, indices):
+        if session is drafter.session:
+            kept.append(len(indices.tail))  # entries of the tree kept
+        return keep(session, indices)
+
+    monkeypatch.setattr(type(drafter.session), "keep", counting_keep)
+    propose = drafter.propose
+
+    def checked(sequence, k, params, generator=None):
+        got = propose(sequence, k, params, generator)
+        fresh.begin(sequence[:1])
+        want = fresh.propose(sequence, k, params, generator)
+        assert got.tokens.tolist() == want.tokens.tolist()
+        assert got.parents.tolist() == want.parents.tolist()
+        torch.testing.assert_close(drafter.session.ids[: len(sequence)], list(sequence))
+        return got
+
+    drafter.propose = checked
+    prompt = encode_prompt(target.tokenizer, [{"role": "user", "content": QUESTION}])
+    session = ModelSession(target.model)
+    out = generate(session, prompt, drafter=drafter, k=3, max_new_tokens=30)
+    assert out.tokens == greedy_reference(target.model, prompt, 30)
+    assert len(kept) == len(out.paths) - 1  # every tree round after the first kept a path
+    assert sum(kept) > 10  # nodes of accepted paths were kept, not fed again
+
+
 @torch.no_grad()
 def own_logits(drafter, target, sequence, path) -> torch.Tensor:
     """The drafter's logits for the token after ``sequence + path``, by a full forward (draft

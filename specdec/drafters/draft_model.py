@@ -32,7 +32,7 @@ from specdec.config.schema import DrafterConfig, option
 from specdec.config.validation import Invalid
 from specdec.decoding import compact
 from specdec.decoding.sampling import SamplingParams
-from specdec.decoding.session import ModelSession
+from specdec.decoding.session import Kept, ModelSession
 from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
 from specdec.drafters.checkpoint import (
     CHECKPOINT_FILE,
@@ -237,6 +237,7 @@ class DraftModelDrafter(TrainableDrafter):
         seconds = self.session.forward_seconds if self.session is not None else 0.0
         self.forward = forward
         self.session = self._new_session()
+        self._fed = None
         self.session.forward_seconds = seconds
 
     def _new_session(self) -> ModelSession:
@@ -252,6 +253,7 @@ class DraftModelDrafter(TrainableDrafter):
         if self.vocab_map is not None:
             self.vocab_map = self.vocab_map.to(device)
         self.session.reset()
+        self._fed = None  # the last tree's fed nodes: (base, {token path: cache slot})
 
     def propose(
         self,
@@ -260,6 +262,8 @@ class DraftModelDrafter(TrainableDrafter):
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> Proposal:
+        if self._fed is not None:
+            self._keep_accepted(sequence)
         logits = self.session.extend(self.session.sync(sequence), last_only=True)[-1]
 
         def fit(logits: torch.Tensor) -> torch.Tensor:
@@ -284,19 +288,35 @@ class DraftModelDrafter(TrainableDrafter):
 
     def _propose_tree(self, logits, fit, k, params, generator) -> Proposal:
         """Draft a tree: one forward per depth over the nodes it expands, each under the tree
-        mask; the nodes leave the draft's cache afterwards (the next round re-syncs)."""
+        mask. The fed nodes stay in the cache until the next round keeps those on the path
+        the target accepted (:meth:`_keep_accepted`)."""
         base = self.session.length
-        slots = Slots(base)
+        slots, paths, fed = Slots(base), {-1: ()}, {}
 
         def feed(nodes: list[int], parents: list[int], tokens: torch.Tensor) -> torch.Tensor:
             positions, mask = slots.feed(nodes, parents)
+            for j, token in zip(nodes, tokens.tolist(), strict=True):
+                paths[j] = paths[parents[j]] + (token,)
+                fed[paths[j]] = slots.slot[j]  # siblings differ, so a token path names a node
             return fit(self.session.extend(tokens, positions=positions, mask=mask))
 
         proposal = draft_tree(
             self.tree, logits, feed, k, params, generator, self.vocab_map, self.target_vocab_size
         )
-        self.session.rollback(base)
+        self._fed = (base, fed)
         return proposal
+
+    def _keep_accepted(self, sequence: Sequence[int]) -> None:
+        """Keep the cache entries of the last tree's fed nodes on the accepted path (the
+        sequence after the tree's root), drop the rest of the tree."""
+        (base, fed), self._fed = self._fed, None
+        kept, path = [], ()
+        for token in sequence[base:]:
+            path += (token,)
+            if path not in fed:
+                break
+            kept.append(fed[path])
+        self.session.keep(Kept(base, kept))
 
     @property
     def draft_seconds(self) -> float:
