@@ -49,7 +49,8 @@ def load_reduced(path: Path, target) -> DraftModelDrafter:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specdec.drafters.draft_model import DraftModelDrafter, reduce_head
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.draft_model_init import reduce_head
 
     _check_tokenizer(str(path), target.tokenizer)
     config = AutoConfig.from_pretrained(path)
