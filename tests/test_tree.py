@@ -261,7 +261,11 @@ def test_tree_nodes_follow_their_own_paths(target, name, spec, monkeypatch):
                 assert tokens[j] == int(token)
 
 
-@pytest.mark.parametrize("spec", [STATIC, DYNAMIC], ids=["static", "dynamic"])
+# a small budget leaves fed nodes out of the proposal: the target's own next token may be one
+PRUNED = TreeSpec("dynamic", top_k=3, budget=2)
+
+
+@pytest.mark.parametrize("spec", [STATIC, DYNAMIC, PRUNED], ids=["static", "dynamic", "pruned"])
 def test_draft_model_keeps_the_accepted_path_of_its_tree(target, spec, monkeypatch):
     """After a tree round the draft model keeps its cache entries of the accepted path and
     drops the rest: every later tree equals the tree a fresh drafter drafts from scratch on

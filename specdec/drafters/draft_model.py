@@ -315,10 +315,11 @@ class DraftModelDrafter(TrainableDrafter):
 
     def _keep_accepted(self, sequence: Sequence[int]) -> None:
         """Keep the cache entries of the last tree's fed nodes on the accepted path (the
-        sequence after the tree's root), drop the rest of the tree."""
+        sequence after the tree's root, its last token excepted: the draft's next logits come
+        from feeding it, and it may be a fed node the tree did not propose), drop the rest."""
         (base, fed), self._fed = self._fed, None
         kept, path = [], ()
-        for token in sequence[base:]:
+        for token in sequence[base:-1]:
             path += (token,)
             if path not in fed:
                 break
