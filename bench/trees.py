@@ -35,7 +35,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", action="append", required=True, help="a trained drafter")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--k", type=int, default=4, help="chain length and tree depth")
-    parser.add_argument("--confidence", type=float, default=0.4, help="chains' confidence stop")
+    parser.add_argument(
+        "--confidence", type=float, default=0.4, help="the confidence stop of chains and trees"
+    )
     parser.add_argument("--top-k", type=int, default=4, help="dynamic trees' expansion width")
     parser.add_argument("--max-nodes", type=int, default=24)
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -61,6 +63,10 @@ def main() -> None:
     costs = tuple(profile[m + 1] for m in range(args.max_nodes + 1))
     lengths = cheapest_verify_lengths(profile, args.k)
     dynamic = TreeSpec("dynamic", top_k=args.top_k, verify_costs=costs)
+    # the chains' confidence stop, applied to the expansion of dynamic trees
+    confident = TreeSpec(
+        "dynamic", top_k=args.top_k, verify_costs=costs, confidence=args.confidence
+    )
 
     def decode(drafter, tree, index: int, ids: list[int]):
         if drafter is not None:
@@ -87,6 +93,7 @@ def main() -> None:
         methods[f"{name} chain"] = (drafter, None)
         methods[f"{name} static"] = (drafter, static)
         methods[f"{name} dynamic"] = (drafter, dynamic)
+        methods[f"{name} dynamic, confidence"] = (drafter, confident)
 
     plain, runs = [], {m: [] for m in methods}
     for i, ids in enumerate(encoded):

@@ -370,3 +370,24 @@ def test_scoring_a_perfect_tree(tiny_llama_dir, tmp_path, tree_flags, target_for
             assert choices == [[0], [0, 0], [0, 0, 0]][: len(choices)]
     else:
         assert 0 < result["mean_drafted"] <= 6  # (a last round may have no budget left)
+
+
+def test_dynamic_tree_stops_expanding_below_its_confidence():
+    """Path probabilities by hand: the root's top tokens have q .6 and .3; every node's top
+    child has q .5, so the best path of depth d has .6 x .5^(d-1). A depth is expanded (one
+    draft forward) only while its best node reaches the confidence: .65 stops at depth 1
+    with no forward, .35 after depth 2 (.3), .2 after depth 3 (.15), 0 reaches depth 4."""
+    root = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
+    child = torch.log(torch.tensor([0.5, 0.2, 0.2, 0.1]))
+    calls = []
+
+    def feed(nodes, parents, tokens):
+        calls.append(len(nodes))
+        return child.expand(len(nodes), -1)
+
+    for confidence, forwards, depth in [(0.65, 0, 1), (0.35, 1, 2), (0.2, 2, 3), (0.0, 3, 4)]:
+        calls.clear()
+        spec = TreeSpec("dynamic", top_k=2, budget=30, confidence=confidence)
+        proposal = draft_tree(spec, root, feed, 4, SamplingParams(), None, None, 4)
+        assert len(calls) == forwards
+        assert max(tree.depths(proposal.parents.tolist())) == depth

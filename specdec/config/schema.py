@@ -204,7 +204,8 @@ class EvalConfig:
     draft_confidence: float = _opt(
         0.0,
         "A draft model stops drafting once its probability of its own chain so far falls "
-        "below this (the first token is always drafted); 0 always drafts k. Exact either way.",
+        "below this (the first token is always drafted); 0 always drafts k. A dynamic tree "
+        "expands a depth only while its best node's path is that likely. Exact either way.",
         ge=0,
         lt=1,
     )

@@ -51,6 +51,8 @@ class TreeSpec:
         choices: static: the rank paths, each path's prefixes included.
         top_k: dynamic: children per expanded node and nodes expanded per depth.
         budget: dynamic: nodes verified per round; 0: chosen each round from ``verify_costs``.
+        confidence: dynamic: expand a depth's nodes (a draft forward) only while the best of
+            them has a path probability (by the draft) of at least this; 0: full depth.
         verify_costs: ``verify_costs[m]``: measured seconds of a target forward over 1 + m
             tokens (a tree of m nodes), m = 0.. .
     """
@@ -60,6 +62,7 @@ class TreeSpec:
     top_k: int = 4
     budget: int = 0
     verify_costs: tuple[float, ...] = ()
+    confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("static", "dynamic"):
@@ -76,7 +79,13 @@ class TreeSpec:
         """What a score records of the tree."""
         if self.kind == "static":
             return {"kind": "static", "choices": [list(c) for c in self.choices]}
-        return {"kind": "dynamic", "top_k": self.top_k, "budget": self.budget or "cost-chosen"}
+        budget = self.budget or "cost-chosen"
+        return {
+            "kind": "dynamic",
+            "top_k": self.top_k,
+            "budget": budget,
+            "confidence": self.confidence,
+        }
 
 
 def check_choices(choices: Sequence[Sequence[int]]) -> None:
@@ -231,7 +240,9 @@ def _dynamic(spec, logits, feed, k, params, generator):
                 parents.append(u)
                 score.append((score[u] if u >= 0 else 0.0) + min(value, 0.0))
         frontier = sorted(new, key=lambda j: -score[j])[: spec.top_k]
-        if not frontier:
+        # expanding costs a draft forward: not when even the best node is unlikely (this
+        # depends on the draft's distributions only, so decoding stays exact)
+        if not frontier or math.exp(score[frontier[0]]) < spec.confidence:
             break
     depth = depths(parents)
     # a child's score never exceeds its parent's: the best m are closed under parents

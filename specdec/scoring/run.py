@@ -227,6 +227,7 @@ def tree_spec(settings: ScoreSettings, verify_costs: tuple[float, ...]) -> TreeS
         top_k=settings.tree_top_k,
         budget=min(settings.tree_budget, settings.tree_max_nodes),
         verify_costs=verify_costs,
+        confidence=settings.draft_confidence,
     )
 
 
