@@ -44,6 +44,11 @@ def main() -> None:
     parser.add_argument("--warmup-prompts", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", default="mtbench,humaneval")
+    parser.add_argument(
+        "--budgets",
+        help="comma-separated fixed tree sizes: compare the chain with dynamic trees of these "
+        "sizes (full depth) instead of the cost-chosen trees",
+    )
     parser.add_argument("--out", help="write the measurements as JSON here")
     args = parser.parse_args()
 
@@ -85,6 +90,12 @@ def main() -> None:
 
     methods = {}
     for name, drafter in loaded.items():
+        if args.budgets:
+            methods[f"{name} chain"] = (drafter, None)
+            for m in map(int, args.budgets.split(",")):
+                fixed = TreeSpec("dynamic", top_k=args.top_k, budget=m)
+                methods[f"{name} dynamic m={m}"] = (drafter, fixed)
+            continue
         calibration = [decode(drafter, dynamic, i, ids) for i, ids in enumerate(encoded[:warm])]
         paths = [p for g in calibration for p in g.paths]
         static = TreeSpec(
@@ -118,13 +129,13 @@ def main() -> None:
 
 
 def table(results: dict, profile: dict) -> str:
-    head = f"{'method':<34} {'tau':>6} {'accept@depth':>22} {'size':>5} {'c':>6} {'v':>6} "
+    head = f"{'method':<42} {'tau':>6} {'accept@depth':>22} {'size':>5} {'c':>6} {'v':>6} "
     head += f"{'speedup':>8} {'bound':>7} {'same':>5} {'keep%':>6}"
     lines = [head]
     for method, r in results.items():
         accept = " ".join(f"{a:.2f}" for a in r["accept_rate_per_position"])
         lines.append(
-            f"{method:<34} {r['tau']:>6.3f} {accept:>22} {r['mean_drafted']:>5.1f} "
+            f"{method:<42} {r['tau']:>6.3f} {accept:>22} {r['mean_drafted']:>5.1f} "
             f"{r['c']:>6.3f} {r['v']:>6.3f} {r['speedup']:>7.3f}x {r['bound_speedup']:>6.3f}x "
             f"{r['greedy_match_rate']:>5.2f} {100 * r['keep_fraction']:>6.2f}"
         )
