@@ -391,3 +391,18 @@ def test_dynamic_tree_stops_expanding_below_its_confidence():
         proposal = draft_tree(spec, root, feed, 4, SamplingParams(), None, None, 4)
         assert len(calls) == forwards
         assert max(tree.depths(proposal.parents.tolist())) == depth
+
+
+def test_static_tree_with_fewer_drawable_children_than_ranks():
+    """Sampling with top_k 1 leaves one child per node: the ranks beyond it and their
+    subtrees are absent, and the tree is still a valid proposal."""
+    logits = torch.tensor([3.0, 1.0, 0.0, -1.0])
+
+    def feed(nodes, parents, tokens):
+        return logits.expand(len(nodes), -1)
+
+    spec = TreeSpec("static", ((0,), (1,), (1, 0), (1, 0, 0)))
+    params = SamplingParams(temperature=1.0, top_k=1)
+    proposal = draft_tree(spec, logits, feed, 3, params, torch.Generator(), None, 4)
+    assert proposal.tokens.tolist() == [0] and proposal.parents.tolist() == [-1]
+    assert proposal.probs[0].tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -177,6 +177,8 @@ def _static(spec, logits, feed, k, params, generator):
     for depth in range(1, max(map(len, choices)) + 1):
         level = [c for c in choices if len(c) == depth]
         expand = list(dict.fromkeys(c[:-1] for c in level if c[:-1] in node))
+        if not expand:  # their parents were not drawn (a sampled q with a small support)
+            break
         if depth > 1:
             fed = [node[p] for p in expand]
             rows = feed(fed, parents, [draft[j] for j in fed])
