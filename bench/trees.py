@@ -24,9 +24,15 @@ from specdec import drafters
 from specdec.data.chat import prompt_messages
 from specdec.decoding.compact import target_session
 from specdec.decoding.speculative import cheapest_verify_lengths, generate
-from specdec.drafters.tree import TreeSpec, calibrated_choices
+from specdec.drafters.tree import TreeSpec
 from specdec.scoring.command import load_prompts
-from specdec.scoring.run import ScoreSettings, cost_profile, encode_prompt, summarize
+from specdec.scoring.run import (
+    ScoreSettings,
+    calibrated_tree,
+    cost_profile,
+    encode_prompt,
+    summarize,
+)
 from specdec.target import FrozenTarget, eos_token_ids
 
 
@@ -97,10 +103,7 @@ def main() -> None:
                 methods[f"{name} dynamic m={m}"] = (drafter, fixed)
             continue
         calibration = [decode(drafter, dynamic, i, ids) for i, ids in enumerate(encoded[:warm])]
-        paths = [p for g in calibration for p in g.paths]
-        static = TreeSpec(
-            "static", calibrated_choices(paths, len(paths), costs), verify_costs=costs
-        )
+        static = calibrated_tree(calibration, costs)
         methods[f"{name} chain"] = (drafter, None)
         methods[f"{name} static"] = (drafter, static)
         methods[f"{name} dynamic"] = (drafter, dynamic)

@@ -10,8 +10,8 @@ import random
 import pytest
 import tiny_models
 import torch
+from test_eagle3 import head
 
-from specdec import drafters
 from specdec.decoding import tree
 from specdec.decoding.compact import CompactSession
 from specdec.decoding.sampling import SamplingParams
@@ -19,7 +19,6 @@ from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
 from specdec.drafters import DraftModelDrafter
 from specdec.drafters.base import Drafter, Proposal
-from specdec.drafters.eagle3 import Eagle3Config
 from specdec.drafters.tree import TreeSpec, calibrated_choices, choose_budget, draft_tree
 from specdec.scoring.run import encode_prompt
 from specdec.target import FrozenTarget
@@ -182,16 +181,7 @@ def family(target, name):
     if name == "draft_model":
         other, _ = tiny_models.tiny_llama(seed=7)
         return DraftModelDrafter(other, target.vocab_size, forward="float32")
-    torch.manual_seed(0)
-    head = drafters.build(
-        target,
-        Eagle3Config(draft_vocab_size=96),
-        torch.arange(target.vocab_size, 0, -1).float(),
-    )
-    with torch.no_grad():
-        for p in head.module.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return head
+    return head(target, draft_vocab_size=96)  # a perturbed head: every weight matters
 
 
 STATIC = TreeSpec(

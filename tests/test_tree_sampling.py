@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from markov import MarkovDrafter, MarkovTarget
-from test_sampling_exactness import DETECT_LEVEL, L_P, L_Q, PASS_LEVEL, transition_test
+from markov import MarkovDrafter
+from test_sampling_exactness import (
+    DETECT_LEVEL,
+    L_Q,
+    PASS_LEVEL,
+    TOKENS,
+    decode,
+    transition_test,
+)
 
 from specdec.decoding import verify
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
-from specdec.decoding.speculative import generate
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.tree import TreeSpec, draft_tree
-
-TOKENS = 100_000  # emitted tokens per configuration
 
 
 class MarkovTree(Drafter):
@@ -84,27 +88,10 @@ CONFIGS = {
 }
 
 
-def decode_tree(drafter, params, k, seed=0):
-    target = MarkovTarget(L_P)
-    out = generate(
-        target,
-        [0],
-        drafter=drafter,
-        k=k,
-        max_new_tokens=TOKENS,
-        params=params,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    sequence = [0] + out.tokens
-    assert len(out.tokens) == TOKENS
-    assert target.ids == sequence[:-1]  # the kept path is the emitted sequence
-    return out, sequence
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tree_sampling_follows_the_target(name):
     make, params, k = CONFIGS[name]
-    out, sequence = decode_tree(make(), params, k)
+    out, sequence = decode(make(), params, k)
     result = transition_test(sequence, params)
     assert result["outside"] == 0, f"{name}: tokens emitted where p = 0: {result}"
     assert result["pvalue"] > PASS_LEVEL, f"{name}: emitted law differs from p: {result}"
@@ -117,7 +104,7 @@ def test_residual_not_updated_after_a_sibling_is_caught(monkeypatch):
     instead of the residual. The same test must reject the emitted law."""
     monkeypatch.setattr(verify, "residual", lambda p, q, drafted: p)
     make, params, k = CONFIGS["static_wide"]
-    _, sequence = decode_tree(make(), params, k)
+    _, sequence = decode(make(), params, k)
     assert transition_test(sequence, params)["pvalue"] < DETECT_LEVEL
 
 

@@ -206,8 +206,6 @@ class Kept(Sequence):
     def __len__(self) -> int:
         return self.prefix + len(self.tail)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def __getitem__(self, i: int) -> int:
         i = i + len(self) if i < 0 else i
         return i if i < self.prefix else self.tail[i - self.prefix]

@@ -30,7 +30,7 @@ def acceptance(gens: Sequence[Generation], k: int) -> dict:
     """
     drafted = [d for g in gens for d in g.drafted]
     # the draft's depth: a chain's length, a tree's deepest path (positions are depths)
-    depths = [d for g in gens for d in (g.depths or g.drafted)]
+    depths = [d for g in gens for d in g.depths]
     accepted = [a for g in gens for a in g.accepted]
     rounds = len(drafted)
     emitted = sum(g.decode_tokens for g in gens)

@@ -176,10 +176,7 @@ def score(
         if settings.tree == "static" and not settings.tree_choices:
             drafter.configure(settings.draft_forward, settings.draft_confidence, tree)
             calibration = [run(ids, True, i) for i, ids in enumerate(encoded[:warm])]
-            paths = [p for g in calibration for p in g.paths]
-            rounds = sum(len(g.paths) for g in calibration)
-            choices = calibrated_choices(paths, rounds, costs)
-            tree = TreeSpec("static", choices, verify_costs=costs)
+            tree = calibrated_tree(calibration, costs)
         drafter.configure(settings.draft_forward, settings.draft_confidence, tree)
 
     method, baseline = [], []
@@ -229,6 +226,14 @@ def tree_spec(settings: ScoreSettings, verify_costs: tuple[float, ...]) -> TreeS
         verify_costs=verify_costs,
         confidence=settings.draft_confidence,
     )
+
+
+def calibrated_tree(calibration: Sequence[Generation], verify_costs: tuple[float, ...]) -> TreeSpec:
+    """The static tree of the rank paths accepted in ``calibration``'s tree rounds (see
+    :func:`specdec.drafters.tree.calibrated_choices`)."""
+    paths = [p for g in calibration for p in g.paths]
+    choices = calibrated_choices(paths, len(paths), verify_costs)
+    return TreeSpec("static", choices, verify_costs=verify_costs)
 
 
 def summarize(method: list[Generation], baseline: list[Generation], settings) -> dict:
