@@ -110,6 +110,12 @@ def _regenerate(args: argparse.Namespace) -> None:
     print(describe_report(regenerate_from_recipe(args.config, args.set)))
 
 
+def _cache(args: argparse.Namespace) -> None:
+    from specdec.data.build import cache_from_recipe, describe_cache
+
+    print(describe_cache(cache_from_recipe(args.config, args.set)))
+
+
 def _train(args: argparse.Namespace) -> None:
     from specdec.config import load_recipe
     from specdec.training.loop import train
@@ -246,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", required=True, help="recipe YAML")
     r.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides")
     r.set_defaults(func=_regenerate)
+    a = dsub.add_parser("cache", help="cache the target's teacher (logits, hidden states)")
+    a.add_argument("--config", required=True, help="recipe YAML (its data.cache section)")
+    a.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides")
+    a.set_defaults(func=_cache)
 
     t = sub.add_parser("train", help="distil a drafter from a recipe (under accelerate launch)")
     t.add_argument("--config", required=True, help="recipe YAML")

@@ -133,6 +133,21 @@ class RegenerateConfig:
 
 
 @dataclass
+class CacheConfig:
+    dir: str | None = _opt(None, "Where the teacher cache lives; null: <run dir>/teacher-cache.")
+    top_k: int = _opt(
+        256, "Target log-probabilities kept per position: the top k with the log of the "
+        "remaining mass; 0 keeps the full vocabulary.", ge=0,
+    )  # fmt: skip
+    dtype: Literal["float32", "float16", "bfloat16", "fp8"] = _opt(
+        "float16", "Storage of hidden states and log-probabilities; fp8 is e4m3 with a scale "
+        "per token (and layer); float32 is exact.",
+    )  # fmt: skip
+    batch_size: int = _opt(8, "Rows per target forward while caching.", ge=1)
+    shard_rows: int = _opt(64, "Rows per shard; an interrupted cache resumes per shard.", ge=1)
+
+
+@dataclass
 class DataConfig:
     prompts: list[PromptSource] = _opt(
         [PromptSource(s) for s in ("alpaca_eval", "arena_hard", "ifeval", "writingbench_en")],
@@ -145,6 +160,12 @@ class DataConfig:
     regenerate: RegenerateConfig = _opt(RegenerateConfig(), "Target regeneration of answers.")
     dataset_dir: str | None = _opt(None, "Where regenerated data lives; null: <run dir>/data.")
     num_proc: int = _opt(1, "Processes used for tokenization.", ge=1)
+    teacher: Literal["online", "cache"] = _opt(
+        "online", "online: the target runs on every training batch; cache: training reads "
+        "the target's logits and hidden states from data.cache (built by `specdec data "
+        "cache`, or by the first training run).",
+    )  # fmt: skip
+    cache: CacheConfig = _opt(CacheConfig(), "The teacher cache (data.teacher: cache).")
 
 
 @dataclass

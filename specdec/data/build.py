@@ -117,6 +117,28 @@ def dataset_dir(recipe: Recipe) -> Path:
     return Path(recipe.data.dataset_dir or recipe.run_dir / "data")
 
 
+def cache_dir(recipe: Recipe) -> Path:
+    return Path(recipe.data.cache.dir or recipe.run_dir / "teacher-cache")
+
+
+def build_teacher_cache(recipe: Recipe, target, dataset, layers, progress: bool = True) -> dict:
+    """Cache the target's teacher for ``dataset`` (the recipe's training rows) and the
+    drafter's ``layers`` into :func:`cache_dir`, resuming; returns the manifest."""
+    from specdec.data.cache import build_cache, fingerprint
+
+    cfg = recipe.data.cache
+    fp = fingerprint(target, recipe.target, dataset, layers, cfg)
+    return build_cache(target, dataset, fp, cache_dir(recipe), cfg.batch_size, progress)
+
+
+def open_teacher_cache(recipe: Recipe, target, dataset, layers):
+    """The recipe's complete teacher cache, checked against the target, data and layers."""
+    from specdec.data.cache import TeacherCache, fingerprint
+
+    fp = fingerprint(target, recipe.target, dataset, layers, recipe.data.cache)
+    return TeacherCache(cache_dir(recipe), fp)
+
+
 def load_training_data(
     recipe: Recipe, tokenizer, rows: list[dict] | None = None
 ) -> tuple[Dataset, SFTStats]:
@@ -148,6 +170,38 @@ def regenerate_from_recipe(path: str, overrides: list[str]) -> DataReport:
     save_recipe(recipe, recipe.run_dir / "recipe.yaml")
     target = FrozenTarget.from_config(recipe.target)
     return build_data(recipe, target)
+
+
+def cache_from_recipe(path: str, overrides: list[str]) -> dict:
+    """``specdec data cache``: the recipe's data (regenerated if it asks), its drafter's
+    layers, then the teacher cache; returns what was cached and how fast."""
+    import time
+
+    from specdec.target import FrozenTarget
+    from specdec.training.loop import recipe_drafter
+
+    recipe = load_recipe(path, overrides)
+    target = FrozenTarget.from_config(recipe.target)
+    build_data(recipe, target)
+    dataset, _ = load_training_data(recipe, target.tokenizer)
+    layers = recipe_drafter(recipe, target, dataset).required_target_layers
+    start = time.perf_counter()
+    manifest = build_teacher_cache(recipe, target, dataset, layers)
+    manifest["seconds"] = time.perf_counter() - start
+    manifest["dir"] = str(cache_dir(recipe))
+    return manifest
+
+
+def describe_cache(manifest: dict) -> str:
+    """One line for people: where the cache is, what it holds, its size."""
+    fp = manifest["fingerprint"]
+    per_k = manifest["bytes"] / max(manifest["tokens"], 1) * 1000
+    return (
+        f"teacher cache {manifest['dir']}: {fp['rows']} rows, {manifest['tokens']} tokens "
+        f"({manifest['teacher_positions']} with a teacher), layers {fp['layers']}, top-k "
+        f"{fp['top_k'] or 'full'}, {fp['dtype']}: {manifest['bytes'] / 1e6:.1f} MB "
+        f"({per_k / 1e6:.2f} MB per 1,000 tokens); {manifest['seconds']:.1f} s this run"
+    )
 
 
 def describe_report(report: DataReport) -> str:

@@ -1,0 +1,332 @@
+"""The target's teacher, cached: one pass of the frozen target over the training data, read back
+by training instead of running the target on every batch (``data.teacher: cache``).
+
+What a row stores:
+- the hidden states of the layers the drafter reads, at every position;
+- the target's next-token log-probabilities where a loss needs them: at position t when token
+  t + 1 is an assistant token (every drafter step's teacher row is such a position, see
+  ``Drafter.teacher``); over the full vocabulary (``top_k: 0``) or as the top k with their
+  ids and the log of the remaining mass.
+
+Read back (:meth:`TeacherCache.batch`), a full row is the stored distribution; a top-k row is
+the target's distribution on its k most likely tokens with the remaining mass spread evenly
+over the other V - k. Its top token is the target's (no tail token can exceed the k-th), and
+it stays a distribution, so every loss and acceptance measure is computable; what it loses is
+the shape of the tail (measured: ``tests/test_cache.py``, README). Positions without a stored
+teacher read back as uniform; no loss reads them.
+
+Storage dtypes: float32 (exact), float16, bfloat16, fp8 (e4m3; each token's values, per
+layer, divided by their absolute maximum / 448 before the cast, the scale kept in float32).
+
+Layout of a cache directory::
+
+    manifest.json             format, the fingerprint it was made for, counts (atomic writes)
+    shard-00000.safetensors   rows [0, shard_rows), then the next rows, ...; each shard is
+                              written to a temporary name, fsynced and renamed, so a killed
+                              run leaves whole shards only and resumes with the missing ones
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from specdec.data.shards import write_atomic
+from specdec.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "specdec-teacher-cache/1"
+MANIFEST = "manifest.json"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+MIN_LOG_REST = -60.0  # the remaining mass is kept at least e^-60, so no log-probability is -inf
+
+
+def fingerprint(target, target_cfg, dataset, layers, cfg) -> dict:
+    """What a cache is valid for: the target (its dtype, configuration and a weight checksum,
+    not where it was loaded from), the tokenized training rows, the layers, the teacher's top-k
+    and the storage dtype."""
+    config = {k: v for k, v in target.model.config.to_dict().items() if not k.startswith("_")}
+    config.pop("transformers_version", None)
+    with torch.no_grad():
+        checksum = sum(float(p.double().sum()) for p in target.model.parameters())
+    data = hashlib.sha256()
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
+        data.update(json.dumps([ids, mask]).encode())
+    return {
+        "target": {
+            "dtype": target_cfg.dtype,
+            "config_sha256": hashlib.sha256(
+                json.dumps(config, sort_keys=True).encode()
+            ).hexdigest(),
+            "weight_sum": f"{checksum:.8g}",
+        },
+        "data_sha256": data.hexdigest(),
+        "rows": len(dataset),
+        "layers": [int(i) for i in layers],
+        "top_k": int(cfg.top_k),
+        "dtype": cfg.dtype,
+        "vocab_size": int(target.vocab_size),
+        "hidden_size": int(target.model.config.hidden_size),
+        "shard_rows": int(cfg.shard_rows),
+    }
+
+
+def teacher_positions(loss_mask: list[int]) -> list[int]:
+    """Positions whose next token is an assistant token: where the teacher is stored."""
+    return [t for t in range(len(loss_mask) - 1) if loss_mask[t + 1]]
+
+
+def estimate_bytes(dataset, fp: dict) -> int:
+    """Disk a cache of ``dataset`` will take, from its token and teacher-position counts."""
+    tokens = sum(len(ids) for ids in dataset["input_ids"])
+    taught = sum(len(teacher_positions(m)) for m in dataset["loss_mask"])
+    width = 1 if fp["dtype"] == "fp8" else DTYPES[fp["dtype"]].itemsize
+    scale = 4 if fp["dtype"] == "fp8" else 0
+    per_token = 4 + len(fp["layers"]) * (fp["hidden_size"] * width + scale)
+    k = fp["top_k"]
+    per_teacher = 8 + scale + (fp["vocab_size"] * width if k == 0 else k * (width + 4) + 4)
+    return tokens * per_token + taught * per_teacher
+
+
+def _pack(x: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """``x`` [..., D] float32 in the storage dtype (fp8: with a scale per leading index)."""
+    if dtype != "fp8":
+        return {"": x.to(DTYPES[dtype]).contiguous()}
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return {
+        "": (x / scale).to(torch.float8_e4m3fn).contiguous(),
+        "_scale": scale.squeeze(-1).float().contiguous(),
+    }
+
+
+def _unpack(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    x = stored.float()
+    return x if scale is None else x * scale.unsqueeze(-1)
+
+
+def _shard_name(j: int) -> str:
+    return f"shard-{j:05d}.safetensors"
+
+
+def read_manifest(out: Path) -> dict | None:
+    path = out / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{path} is not a {FORMAT} manifest")
+    return manifest
+
+
+def check_fingerprint(out: Path, manifest: dict, fp: dict) -> None:
+    """Raise DataError naming the first thing ``out`` was cached for that differs from now."""
+    old = manifest.get("fingerprint", {})
+    for key, value in fp.items():
+        if old.get(key) != value:
+            raise DataError(
+                f"data.cache.dir: {out} holds a teacher cache of another {key} "
+                f"({old.get(key)!r} there, {value!r} now); use another data.cache.dir or "
+                "delete that one"
+            )
+
+
+def build_cache(target, dataset, fp: dict, out: Path, batch_size: int, progress=True) -> dict:
+    """Cache the teacher of every row of ``dataset`` into ``out``, resuming the shards already
+    there. Returns the manifest.
+
+    Raises:
+        DataError: ``out`` holds a cache made for something else, or files that are not one.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(out)
+    if manifest is None:
+        if any(out.glob("shard-*")):
+            raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
+        manifest = {"format": FORMAT, "fingerprint": fp, "complete": False}
+    check_fingerprint(out, manifest, fp)
+    for stale in out.glob("*.tmp"):
+        stale.unlink()  # a shard whose run was killed before its rename
+    manifest["complete"] = False
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    n, size = len(dataset), fp["shard_rows"]
+    todo = [j for j in range(math.ceil(n / size)) if not (out / _shard_name(j)).exists()]
+    rows = sum(min(n, (j + 1) * size) - j * size for j in todo)
+    estimate = estimate_bytes(dataset, fp)
+    logger.info(
+        "teacher cache %s: %d rows, %d to do; about %.2f GB in all (%s, top-k %s, layers %s)",
+        out, n, rows, estimate / 1e9, fp["dtype"], fp["top_k"] or "full", fp["layers"],
+    )  # fmt: skip
+    bar = tqdm(total=rows, disable=not progress, desc="cache", unit="row")
+    for j in todo:
+        tensors = encode_rows(
+            target, dataset, range(j * size, min(n, (j + 1) * size)), fp, batch_size
+        )
+        tmp = out / (_shard_name(j) + ".tmp")
+        save_file(tensors, str(tmp), metadata={"start": str(j * size)})
+        os.chmod(tmp, 0o666 & ~_umask())
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out / _shard_name(j))
+        bar.update(min(n, (j + 1) * size) - j * size)
+    bar.close()
+    files = [out / _shard_name(j) for j in range(math.ceil(n / size))]
+    manifest.update(
+        complete=True,
+        shards=len(files),
+        tokens=sum(len(ids) for ids in dataset["input_ids"]),
+        teacher_positions=sum(len(teacher_positions(m)) for m in dataset["loss_mask"]),
+        bytes=sum(p.stat().st_size for p in files),
+    )
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def encode_rows(target, dataset, rows: range, fp: dict, batch_size: int) -> dict:
+    """The shard tensors of ``rows``: the target runs on batches of similar length."""
+    ids = [dataset[i]["input_ids"] for i in rows]
+    masks = [dataset[i]["loss_mask"] for i in rows]
+    features: list = [None] * len(rows)
+    teacher: list = [None] * len(rows)
+    by_length = sorted(range(len(rows)), key=lambda r: len(ids[r]))
+    for b in range(0, len(rows), batch_size):
+        chunk = by_length[b : b + batch_size]
+        width = max(len(ids[r]) for r in chunk)
+        batch = torch.zeros(len(chunk), width, dtype=torch.long)
+        attention = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, r in enumerate(chunk):
+            batch[i, : len(ids[r])] = torch.tensor(ids[r])
+            attention[i, : len(ids[r])] = 1
+        with torch.no_grad():
+            out = target.forward(batch, attention, hidden_layers=fp["layers"])
+            for i, r in enumerate(chunk):
+                n = len(ids[r])
+                if fp["layers"]:
+                    layers = [out.hidden_states[h][i, :n] for h in fp["layers"]]
+                    features[r] = torch.stack(layers, 1).float().cpu()  # [n, L, H]
+                where = torch.tensor(teacher_positions(masks[r]), dtype=torch.long)
+                logits = out.logits[i, where.to(out.logits.device)].float()
+                teacher[r] = (where, torch.log_softmax(logits, -1).cpu())
+    tensors = {
+        "input_ids": torch.tensor([t for row in ids for t in row], dtype=torch.int32),
+        "row_offsets": _offsets([len(x) for x in ids]),
+        "teacher_offsets": _offsets([len(w) for w, _ in teacher]),
+        "teacher_pos": torch.cat([w for w, _ in teacher]).to(torch.int32),
+    }
+    if fp["layers"]:
+        tensors |= _named("features", _pack(torch.cat(features), fp["dtype"]))
+    log_p = torch.cat([lp for _, lp in teacher])  # [M, V]
+    if fp["top_k"]:
+        top = log_p.topk(min(fp["top_k"], log_p.shape[-1]), dim=-1)
+        kept = top.values.exp().sum(-1).clamp(max=1.0)
+        rest = torch.log1p(-kept).clamp_min(MIN_LOG_REST)
+        tensors |= {"ids": top.indices.to(torch.int32).contiguous(), "rest": rest.contiguous()}
+        log_p = top.values
+    tensors |= _named("logp", _pack(log_p, fp["dtype"]))
+    return tensors
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+
+
+def _named(name: str, packed: dict) -> dict:
+    return {name + suffix: t for suffix, t in packed.items()}
+
+
+class TeacherCache:
+    """A complete cache, read row by row from memory-mapped shards.
+
+    Args:
+        out: the cache directory.
+        fp: the fingerprint it must have been made for.
+    """
+
+    def __init__(self, out: Path, fp: dict):
+        manifest = read_manifest(out)
+        if manifest is None or not manifest.get("complete"):
+            raise DataError(f"data.cache.dir: {out} holds no complete teacher cache")
+        check_fingerprint(out, manifest, fp)
+        self.fp, self.out = fp, out
+        self.shards, self.offsets = [], []
+        for j in range(manifest["shards"]):
+            try:
+                handle = safe_open(str(out / _shard_name(j)), framework="pt")
+                offsets = (handle.get_tensor("row_offsets"), handle.get_tensor("teacher_offsets"))
+            except Exception as err:  # a truncated or foreign file: one line, not a traceback
+                path = out / _shard_name(j)
+                raise DataError(f"{path}: unreadable teacher shard ({err})") from None
+            self.shards.append(handle)
+            self.offsets.append(offsets)
+
+    def row(self, index: int) -> dict:
+        """Row ``index``: ``input_ids`` [n], ``features`` [n, L, H] (if any), the teacher's
+        ``positions`` [m] and their log-probabilities ``log_p`` [m, V] (top-k rows filled)."""
+        j, r = divmod(index, self.fp["shard_rows"])
+        shard, (rows, taught) = self.shards[j], self.offsets[j]
+        a, b = int(rows[r]), int(rows[r + 1])
+        c, d = int(taught[r]), int(taught[r + 1])
+        out = {
+            "input_ids": shard.get_slice("input_ids")[a:b].long(),
+            "positions": shard.get_slice("teacher_pos")[c:d].long(),
+        }
+        if self.fp["layers"]:
+            out["features"] = _unpack(
+                shard.get_slice("features")[a:b], self._scale(shard, "features", a, b)
+            )
+        values = _unpack(shard.get_slice("logp")[c:d], self._scale(shard, "logp", c, d))
+        k, vocab = self.fp["top_k"], self.fp["vocab_size"]
+        if k:
+            rest = shard.get_slice("rest")[c:d]
+            tail = k < vocab
+            fill = (rest - math.log(vocab - k)) if tail else torch.full_like(rest, -math.inf)
+            log_p = fill[:, None].expand(d - c, vocab).clone()
+            log_p.scatter_(1, shard.get_slice("ids")[c:d].long(), values)
+            values = log_p
+        out["log_p"] = values
+        return out
+
+    def _scale(self, shard, name: str, a: int, b: int) -> torch.Tensor | None:
+        return shard.get_slice(name + "_scale")[a:b] if self.fp["dtype"] == "fp8" else None
+
+    def batch(self, indices: list[int], width: int, input_ids: torch.Tensor) -> dict:
+        """The teacher of a micro-batch padded to ``width``: ``teacher_logits`` [B, width, V]
+        and ``features`` [L, B, width, H] (when the drafter reads layers).
+
+        Raises:
+            DataError: a row's tokens differ from the training data's (a cache of other data).
+        """
+        logits = torch.zeros(len(indices), width, self.fp["vocab_size"])
+        layers, hidden = len(self.fp["layers"]), self.fp["hidden_size"]
+        features = torch.zeros(layers, len(indices), width, hidden) if layers else None
+        for b, i in enumerate(indices):
+            row = self.row(i)
+            n = len(row["input_ids"])
+            if not torch.equal(row["input_ids"], input_ids[b, :n].cpu()):
+                raise DataError(f"{self.out}: row {i} holds other tokens than the training data")
+            logits[b, row["positions"]] = row["log_p"]
+            if features is not None:
+                features[:, b, :n] = row["features"].transpose(0, 1)
+        out = {"teacher_logits": logits}
+        if features is not None:
+            out["features"] = features
+        return out

@@ -1,0 +1,303 @@
+"""The teacher cache: what it reads back against the target's own forward (exact for float32
+over the full vocabulary, bounded for the lossy storage), resuming after a kill without
+duplicates, refusing caches of something else, and training from it equal to training online."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import tiny_models
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from test_training import setup
+
+from specdec.data import cache as cache_mod
+from specdec.data.cache import TeacherCache, build_cache, fingerprint
+from specdec.errors import DataError
+from specdec.target import FrozenTarget
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = (0, 1)
+files = setup  # the tiny target and prompt files of the training tests
+
+
+@pytest.fixture(scope="module")
+def target():
+    model, tokenizer = tiny_models.tiny_llama()
+    return FrozenTarget(model, tokenizer, name="tiny")
+
+
+def rows(n: int = 7, seed: int = 0, vocab: int = 384) -> Dataset:
+    """Rows of different lengths with a prompt part (no loss) and an answer part."""
+    g = torch.Generator().manual_seed(seed)
+    ids, masks = [], []
+    for i in range(n):
+        length = 6 + 5 * i % 17
+        ids.append(torch.randint(4, vocab, (length,), generator=g).tolist())
+        prompt = 2 + i % 4
+        masks.append([0] * prompt + [1] * (length - prompt))
+    return Dataset.from_dict({"input_ids": ids, "loss_mask": masks})
+
+
+def spec(top_k=0, dtype="float32", shard_rows=3, batch_size=2):
+    return SimpleNamespace(top_k=top_k, dtype=dtype, shard_rows=shard_rows, batch_size=batch_size)
+
+
+def make(target, dataset, out: Path, layers=LAYERS, **kw) -> TeacherCache:
+    cfg = spec(**kw)
+    fp = fingerprint(target, SimpleNamespace(dtype="float32"), dataset, layers, cfg)
+    build_cache(target, dataset, fp, out, cfg.batch_size, progress=False)
+    return TeacherCache(out, fp)
+
+
+def reference(target, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row alone through transformers: log-probabilities [n, V], hidden states [n, L, H]."""
+    with torch.no_grad():
+        out = target.model(torch.tensor([ids]), output_hidden_states=True)
+    log_p = torch.log_softmax(out.logits[0].float(), -1)
+    hidden = torch.stack([out.hidden_states[i + 1][0] for i in LAYERS], 1)
+    return log_p, hidden
+
+
+def taught(mask: list[int]) -> list[int]:
+    return [t for t in range(len(mask) - 1) if mask[t + 1] == 1]
+
+
+def test_full_float32_cache_reads_back_the_target(target, tmp_path):
+    data = rows()
+    cache = make(target, data, tmp_path / "c")
+    for i in range(len(data)):
+        row, (log_p, hidden) = cache.row(i), reference(target, data[i]["input_ids"])
+        where = taught(data[i]["loss_mask"])
+        assert row["positions"].tolist() == where
+        torch.testing.assert_close(row["log_p"], log_p[where], atol=1e-5, rtol=0)
+        torch.testing.assert_close(row["features"], hidden, atol=1e-5, rtol=1e-5)
+        assert row["input_ids"].tolist() == data[i]["input_ids"]
+
+
+def test_top_k_rows_keep_the_top_and_spread_the_rest_evenly(target, tmp_path):
+    data, k = rows(), 16
+    cache = make(target, data, tmp_path / "c", top_k=k)
+    vocab = target.vocab_size
+    for i in range(len(data)):
+        log_p = reference(target, data[i]["input_ids"])[0][taught(data[i]["loss_mask"])]
+        got = cache.row(i)["log_p"]
+        top = log_p.topk(k, -1)
+        torch.testing.assert_close(got.gather(1, top.indices), top.values, atol=1e-5, rtol=0)
+        rest = 1 - top.values.exp().sum(-1)
+        tail = torch.ones_like(got, dtype=torch.bool).scatter_(1, top.indices, False)
+        expected = (rest / (vocab - k)).log()[:, None].expand_as(got)[tail]
+        torch.testing.assert_close(got[tail], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.logsumexp(-1), torch.zeros(len(got)), atol=1e-5, rtol=0)
+        assert torch.equal(got.argmax(-1), log_p.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "relative"), [("float16", 2**-11), ("bfloat16", 2**-8), ("fp8", 2**-4)]
+)
+def test_lossy_storage_stays_within_its_rounding(target, tmp_path, dtype, relative):
+    data = rows()
+    cache = make(target, data, tmp_path / "c", dtype=dtype)
+    for i in range(len(data)):
+        log_p, hidden = reference(target, data[i]["input_ids"])
+        row = cache.row(i)
+        for got, want in (
+            (row["log_p"], log_p[taught(data[i]["loss_mask"])]),
+            (row["features"], hidden),
+        ):
+            # fp8: below its smallest normal (2^-6 of the scale) a value is rounded to 2^-9 steps
+            floor = want.abs().amax(-1, keepdim=True) / 448 * 2**-10 if dtype == "fp8" else 0
+            assert ((got - want).abs() <= relative * want.abs() + floor + 1e-6).all(), dtype
+        assert not torch.equal(row["features"], hidden)  # it is lossy: the test can tell
+
+
+def test_batch_places_each_row_at_its_positions_and_checks_tokens(target, tmp_path):
+    data = rows()
+    cache = make(target, data, tmp_path / "c", top_k=8)
+    order, width = [4, 0, 2], max(len(data[i]["input_ids"]) for i in (4, 0, 2)) + 3
+    ids = torch.zeros(3, width, dtype=torch.long)
+    for b, i in enumerate(order):
+        ids[b, : len(data[i]["input_ids"])] = torch.tensor(data[i]["input_ids"])
+    batch = cache.batch(order, width, ids)
+    assert batch["teacher_logits"].shape == (3, width, target.vocab_size)
+    for b, i in enumerate(order):
+        row, n = cache.row(i), len(data[i]["input_ids"])
+        where = taught(data[i]["loss_mask"])
+        assert torch.equal(batch["teacher_logits"][b, where], row["log_p"])
+        others = [t for t in range(width) if t not in where]
+        assert not batch["teacher_logits"][b, others].any()
+        assert torch.equal(batch["features"][:, b, :n], row["features"].transpose(0, 1))
+        assert not batch["features"][:, b, n:].any()
+    ids[1, 0] += 1
+    with pytest.raises(DataError, match="row 0 holds other tokens"):
+        cache.batch(order, width, ids)
+
+
+def shards(out: Path) -> dict:
+    return {p.name: load_file(p) for p in sorted(out.glob("shard-*.safetensors"))}
+
+
+def test_a_cache_killed_between_shards_resumes_with_the_missing_ones(target, tmp_path, monkeypatch):
+    data = rows(n=8)
+    make(target, data, tmp_path / "whole", top_k=8)
+
+    real_replace, calls = os.replace, []
+
+    def dies_on_second_shard(src, dst):
+        if str(dst).endswith(".safetensors"):
+            calls.append(dst)
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # killed after writing the shard, before its rename
+        real_replace(src, dst)
+
+    monkeypatch.setattr(cache_mod.os, "replace", dies_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        make(target, data, tmp_path / "c", top_k=8)
+    monkeypatch.setattr(cache_mod.os, "replace", real_replace)
+    assert [p.name for p in (tmp_path / "c").glob("*.tmp")] == ["shard-00001.safetensors.tmp"]
+    assert not json.loads((tmp_path / "c" / "manifest.json").read_text())["complete"]
+    with pytest.raises(DataError, match="no complete teacher cache"):
+        TeacherCache(
+            tmp_path / "c",
+            fingerprint(target, SimpleNamespace(dtype="float32"), data, LAYERS, spec(top_k=8)),
+        )
+
+    encoded = []
+    real_encode = cache_mod.encode_rows
+    monkeypatch.setattr(
+        cache_mod, "encode_rows", lambda t, d, r, *a: encoded.append(r) or real_encode(t, d, r, *a)
+    )
+    make(target, data, tmp_path / "c", top_k=8)
+    assert encoded == [range(3, 6), range(6, 8)]  # shard 0 was kept, not recomputed
+    assert not list((tmp_path / "c").glob("*.tmp"))
+    whole, resumed = shards(tmp_path / "whole"), shards(tmp_path / "c")
+    assert whole.keys() == resumed.keys()
+    for name, tensors in whole.items():
+        for key, value in tensors.items():
+            assert torch.equal(resumed[name][key], value), (name, key)
+
+
+KILLED = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import tiny_models
+from test_cache import make, rows
+from specdec.data import cache as cache_mod
+from specdec.target import FrozenTarget
+slow = cache_mod.encode_rows
+def encode(*a):
+    time.sleep(0.3)
+    return slow(*a)
+cache_mod.encode_rows = encode
+model, tok = tiny_models.tiny_llama()
+out = __import__("pathlib").Path({out!r})
+make(FrozenTarget(model, tok), rows(n=12), out, top_k=8, shard_rows=1)
+"""
+
+
+def test_sigkill_while_caching_resumes_without_duplicates_or_losses(target, tmp_path):
+    out = tmp_path / "c"
+    script = KILLED.format(tests=str(ROOT / "tests"), out=str(out))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    deadline = time.time() + 120
+    while len(list(out.glob("shard-*.safetensors"))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list(out.glob("shard-*.safetensors")))
+    assert 3 <= done < 12, "the kill came before or after the cache was made"
+    cache = make(target, rows(n=12), out, top_k=8, shard_rows=1)
+    whole = make(target, rows(n=12), tmp_path / "whole", top_k=8, shard_rows=1)
+    assert len(cache.shards) == 12
+    for i in range(12):
+        a, b = cache.row(i), whole.row(i)
+        assert all(torch.equal(a[key], b[key]) for key in a), i
+
+
+def test_refuses_a_cache_of_something_else(target, tmp_path):
+    data = rows()
+    make(target, data, tmp_path / "c", top_k=8, dtype="float16")
+    for key, change in [
+        ("top_k", {"top_k": 16}),
+        ("dtype", {"dtype": "bfloat16"}),
+        ("layers", {"layers": (1,)}),
+    ]:
+        with pytest.raises(DataError, match=f"another {key} "):
+            make(target, data, tmp_path / "c", **{"top_k": 8, "dtype": "float16", **change})
+    with pytest.raises(DataError, match="another data_sha256"):
+        make(target, rows(seed=1), tmp_path / "c", top_k=8, dtype="float16")
+    other, tok = tiny_models.tiny_llama(seed=1)
+    with pytest.raises(DataError, match="another target"):
+        make(FrozenTarget(other, tok), data, tmp_path / "c", top_k=8, dtype="float16")
+
+    (tmp_path / "c" / "manifest.json").write_text("{not json")
+    with pytest.raises(DataError, match="manifest.json is not valid JSON"):
+        make(target, data, tmp_path / "c", top_k=8, dtype="float16")
+    (tmp_path / "c" / "manifest.json").unlink()
+    with pytest.raises(DataError, match="has shards but no manifest.json"):
+        make(target, data, tmp_path / "c", top_k=8, dtype="float16")
+
+
+def test_a_truncated_shard_is_named(target, tmp_path):
+    data = rows()
+    make(target, data, tmp_path / "c", top_k=8)
+    shard = tmp_path / "c" / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    fp = fingerprint(target, SimpleNamespace(dtype="float32"), data, LAYERS, spec(top_k=8))
+    with pytest.raises(DataError, match="shard-00001.safetensors: unreadable teacher shard"):
+        TeacherCache(tmp_path / "c", fp)
+
+
+def test_estimate_matches_the_files_within_their_headers(target, tmp_path):
+    data = rows(n=12)
+    for kw in ({"top_k": 0, "dtype": "float16"}, {"top_k": 8, "dtype": "fp8"}):
+        out = tmp_path / str(kw["top_k"])
+        make(target, data, out, **kw)
+        manifest = json.loads((out / "manifest.json").read_text())
+        estimate = cache_mod.estimate_bytes(data, manifest["fingerprint"])
+        # each shard adds a JSON header and two offset tables
+        assert estimate <= manifest["bytes"] <= estimate + manifest["shards"] * 2000
+
+
+@pytest.mark.parametrize("recipe", ["tiny.yaml", "tiny_eagle3.yaml"])
+def test_training_from_the_full_cache_equals_training_online(files, tmp_path, recipe):
+    """float32 over the full vocabulary: the same teacher, so the same weights after 3 steps
+    (to float rounding: the cache's batches are padded differently)."""
+    from specdec.config import load_recipe
+    from specdec.training.loop import train
+
+    def run(name: str, *extra: str) -> dict:
+        recipe_path = ROOT / "recipes" / "debug" / recipe
+        sets = [
+            f"target.model={files / 'target'}",
+            f"run.output_dir={tmp_path / name}",
+            f"data.prompts=[{files / 'train.jsonl'}]",
+            f"eval.prompts=[{files / 'eval.jsonl'}]",
+            f"data.dataset_dir={tmp_path / 'data'}",
+            "train.warmup_steps=0",
+            "train.max_steps=3",
+            "train.save_every=100",
+            *(["drafter.init_from_target=false"] if recipe == "tiny.yaml" else []),
+            *extra,
+        ]
+        train(load_recipe(recipe_path, sets))
+        return load_file(tmp_path / name / "state" / "model.safetensors")
+
+    online = run("online")
+    cached = run("cached", "data.teacher=cache", "data.cache.top_k=0", "data.cache.dtype=float32")
+    lossy = run("lossy", "data.teacher=cache", "data.cache.top_k=4", "data.cache.dtype=fp8")
+    assert (tmp_path / "cached" / "teacher-cache" / "manifest.json").exists()
+    assert online.keys() == cached.keys()
+    for key, value in online.items():
+        torch.testing.assert_close(cached[key], value, atol=1e-5, rtol=1e-4, msg=key)
+    # the test can tell teachers apart: a lossy cache trains other weights
+    assert any(not torch.allclose(lossy[k], v, atol=1e-4) for k, v in online.items())
