@@ -1,10 +1,14 @@
-"""Training tokens/s with the target online vs the target's forward-only tokens/s (the ceiling).
+"""Training tokens/s with the target online vs with its teacher read from the cache.
 
-On the same micro-batches of a recipe's regenerated data: (a) the target's no-grad forward
-alone, (b) a full training step (target forward, drafter forward and backward, optimizer).
-Prints both throughputs, their ratio, and peak memory. Not a test: a measurement.
+On the same micro-batches of a recipe's data, one process, interleaved in blocks so both see
+the same machine: (a) the target's no-grad forward alone (what the online step cannot beat),
+(b) a training step with the target online (target forward, drafter forward and backward,
+optimizer), (c) the same step with the teacher read from the recipe's teacher cache (reading
+and unpacking the shards is inside the timing). Prints tokens/s, the cache's speedup over
+online, and peak memory. Not a test: a measurement.
 
-    python bench/train_throughput.py --config recipes/smollm2-135m/demo.yaml   # after `make demo`
+    specdec data cache --config recipes/smollm2-135m/eagle3.yaml     # once: builds the cache
+    python bench/train_throughput.py --config recipes/smollm2-135m/eagle3.yaml --steps 12
 """
 
 from __future__ import annotations
@@ -15,12 +19,10 @@ import time
 
 import torch
 
-from specdec import drafters
 from specdec.config import load_recipe
-from specdec.data.build import load_training_data
-from specdec.drafters.vocabulary import token_counts
+from specdec.data.build import load_training_data, open_teacher_cache
 from specdec.target import FrozenTarget
-from specdec.training.loop import drafter_loss, micro_batch
+from specdec.training.loop import drafter_loss, micro_batch, recipe_drafter
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -32,53 +34,71 @@ def peak_memory_mb(device: torch.device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="recipes/smollm2-135m/demo.yaml")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="micro-batches timed per mode")
+    parser.add_argument("--block", type=int, default=4, help="micro-batches per turn of a mode")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     recipe = load_recipe(args.config, args.overrides)
     target = FrozenTarget.from_config(recipe.target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
-    drafter = drafters.build(target, recipe.drafter, token_counts(dataset, target.vocab_size))
+    torch.manual_seed(recipe.run.seed)
+    drafter = recipe_drafter(recipe, target, dataset)
+    layers = drafter.required_target_layers
+    cache = open_teacher_cache(recipe, target, dataset, layers)
     model = drafter.module.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     pad = target.tokenizer.pad_token_id or 0
     size, group = recipe.train.batch_size, recipe.train.length_group
     lengths = torch.tensor([len(ids) for ids in dataset["input_ids"]])
-    batches = [
-        micro_batch(dataset, i, size, recipe.run.seed, pad, lengths, group)
-        for i in range(args.steps + 1)
-    ]
-    batches = [{k: v.to(target.device) for k, v in b.items()} for b in batches]
-    tokens = sum(int(b["attention_mask"].sum()) for b in batches[1:])
 
-    def forward_only(batch):
+    def batch(i: int, with_cache: bool) -> dict:
+        b = micro_batch(
+            dataset, i, size, recipe.run.seed, pad, lengths, group, cache if with_cache else None
+        )
+        return {k: v.to(target.device) for k, v in b.items()}
+
+    def forward_only(i: int) -> int:
+        b = batch(i, False)
         with torch.no_grad():
-            layers = drafter.required_target_layers
-            target.forward(batch["input_ids"], batch["attention_mask"], hidden_layers=layers)
+            target.forward(b["input_ids"], b["attention_mask"], hidden_layers=layers)
+        return int(b["attention_mask"].sum())
 
-    def train_step(batch):  # the training loop's own loss, on one process
-        counts = drafter.loss_masks(batch["loss_mask"]).sum(dim=(1, 2)).float()
-        loss, _ = drafter_loss(drafter, model, target, batch, recipe.loss, counts)
+    def train_step(i: int, with_cache: bool) -> int:  # the training loop's own loss
+        b = batch(i, with_cache)
+        counts = drafter.loss_masks(b["loss_mask"]).sum(dim=(1, 2)).float()
+        loss, _ = drafter_loss(drafter, model, target, b, recipe.loss, counts)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return int(b["attention_mask"].sum())
 
-    results = {}
-    for name, step in (("target forward only", forward_only), ("training step", train_step)):
-        step(batches[0])  # warm-up
-        t0 = time.perf_counter()
-        for batch in batches[1:]:
-            step(batch)
-        results[name] = tokens / (time.perf_counter() - t0)
-    ceiling = results["target forward only"]
+    modes = {
+        "target forward only": forward_only,
+        "training step, online": lambda i: train_step(i, False),
+        "training step, cache": lambda i: train_step(i, True),
+    }
+    seconds = dict.fromkeys(modes, 0.0)
+    tokens = dict.fromkeys(modes, 0)
+    for step in modes.values():
+        step(0)  # warm-up
+    for start in range(1, args.steps + 1, args.block):
+        for name, step in modes.items():
+            for i in range(start, min(start + args.block, args.steps + 1)):
+                t0 = time.perf_counter()
+                tokens[name] += step(i)
+                seconds[name] += time.perf_counter() - t0
+    rate = {name: tokens[name] / seconds[name] for name in modes}
+    fp = cache.fp
     print(
-        f"{args.config} ({drafter.name}): {args.steps} micro-batches of {size}, {tokens} tokens "
-        f"({tokens / sum(b['attention_mask'].numel() for b in batches[1:]):.0%} not padding), "
-        f"threads {torch.get_num_threads()}, device {target.device}"
+        f"{args.config} ({drafter.name}): {args.steps} micro-batches of {size} per mode, "
+        f"{tokens['target forward only']} tokens each; cache top-k {fp['top_k'] or 'full'} "
+        f"{fp['dtype']}, layers {fp['layers']}; threads {torch.get_num_threads()}, "
+        f"device {target.device}"
     )
-    for name, tps in results.items():
-        print(f"{name:<22}{tps:>10.1f} tokens/s{tps / ceiling:>8.2f}x of the ceiling")
-    print(f"peak memory {peak_memory_mb(target.device):.0f} MiB")
+    online = rate["training step, online"]
+    for name, tps in rate.items():
+        print(f"{name:<24}{tps:>10.1f} tokens/s{tps / online:>8.2f}x of online training")
+    print(f"peak memory (all modes, one process) {peak_memory_mb(target.device):.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -276,6 +276,7 @@ class FrozenTarget:
         # transformers 5 renamed the cache argument; older releases only know the old name
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in params
 
     @classmethod
     def load(cls, model: str, **kwargs: Any) -> FrozenTarget:
@@ -352,6 +353,7 @@ class FrozenTarget:
         hidden_layers: Sequence[int] = (),
         past_key_values: Any = None,
         use_cache: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run the target once.
 
@@ -363,9 +365,12 @@ class FrozenTarget:
                 ``-1`` is after the final norm). Hidden states are computed only when asked.
             past_key_values: a transformers cache from an earlier call; updated in place.
             use_cache: build and return a cache (implied when ``past_key_values`` is given).
+            logits_at: ``[B, T]`` bool: compute the logits at these positions only (the LM
+                head is skipped elsewhere where transformers supports it).
 
         Returns:
-            :class:`TargetOutput` with logits ``[B, T, V]`` and ``{layer: [B, T, H]}``.
+            :class:`TargetOutput` with logits ``[B, T, V]`` (with ``logits_at``: ``[N, V]``,
+            its true positions in order) and ``{layer: [B, T, H]}``.
         """
         layers = self.resolve_layers(hidden_layers)
         if self.model.training:  # someone called .train() on the inner model: undo it
@@ -383,10 +388,15 @@ class FrozenTarget:
             # an index list keeps only those states where transformers supports it; elsewhere
             # it is just a true flag and all states come back, indexed the same way
             kwargs["output_hidden_states"] = [i + 1 for i in layers]
+        if logits_at is not None and self._keeps_logits:
+            kwargs["logits_to_keep"] = logits_at.to(device)
         out = self.model(input_ids=input_ids.to(device), **kwargs)
         hidden = {i: out.hidden_states[i + 1] for i in layers}
         cache = out.get("cache", out.get("past_key_values")) if use_cache else None
-        return TargetOutput(logits=out.logits, hidden_states=hidden, past_key_values=cache)
+        logits = out.logits
+        if logits_at is not None and logits.dim() == 3:  # a model that computed them all
+            logits = logits[logits_at.to(logits.device)]
+        return TargetOutput(logits=logits, hidden_states=hidden, past_key_values=cache)
 
     __call__ = forward
 

@@ -316,3 +316,22 @@ def test_conversion_is_atomic(tiny_gguf, tmp_path, monkeypatch):
     assert "quantization_config" not in config
     with pytest.raises(ModelError, match=f"already exists: {out_dir}"):
         convert_gguf(tiny_gguf, out_dir)
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_logits_at_some_positions_equal_those_of_the_full_forward(family, supported, monkeypatch):
+    """Per row a different set of positions, in row-major order; a model whose forward cannot
+    skip its LM head gives the same (the logits are picked from the full forward)."""
+    _, _, target = family
+    monkeypatch.setattr(target, "_keeps_logits", supported)
+    ids = _ids(4, batch=3, length=8)
+    attention = torch.ones_like(ids)
+    attention[2, 6:] = 0  # a padded row
+    at = torch.zeros(3, 8, dtype=torch.bool)
+    at[0, [1, 2, 7]] = True
+    at[2, [0, 5]] = True
+    full = target.forward(ids, attention, hidden_layers=[1])
+    some = target.forward(ids, attention, hidden_layers=[1], logits_at=at)
+    picked = torch.stack([full.logits[b, t] for b, t in [(0, 1), (0, 2), (0, 7), (2, 0), (2, 5)]])
+    torch.testing.assert_close(some.logits, picked, rtol=0, atol=1e-5)
+    torch.testing.assert_close(some.hidden_states[1], full.hidden_states[1], rtol=0, atol=1e-6)

@@ -210,16 +210,20 @@ def encode_rows(target, dataset, rows: range, fp: dict, batch_size: int) -> dict
         for i, r in enumerate(chunk):
             batch[i, : len(ids[r])] = torch.tensor(ids[r])
             attention[i, : len(ids[r])] = 1
+        wanted = torch.zeros(len(chunk), width, dtype=torch.bool)
+        for i, r in enumerate(chunk):
+            wanted[i, teacher_positions(masks[r])] = True
         with torch.no_grad():
-            out = target.forward(batch, attention, hidden_layers=fp["layers"])
-            for i, r in enumerate(chunk):
-                n = len(ids[r])
-                if fp["layers"]:
-                    layers = [out.hidden_states[h][i, :n] for h in fp["layers"]]
-                    features[r] = torch.stack(layers, 1).float().cpu()  # [n, L, H]
-                where = torch.tensor(teacher_positions(masks[r]), dtype=torch.long)
-                logits = out.logits[i, where.to(out.logits.device)].float()
-                teacher[r] = (where, torch.log_softmax(logits, -1).cpu())
+            out = target.forward(batch, attention, hidden_layers=fp["layers"], logits_at=wanted)
+            log_p = torch.log_softmax(out.logits.float(), -1).cpu()  # [N, V], row-major
+        start = 0
+        for i, r in enumerate(chunk):
+            n, where = len(ids[r]), wanted[i].nonzero().squeeze(-1)
+            if fp["layers"]:
+                layers = [out.hidden_states[h][i, :n] for h in fp["layers"]]
+                features[r] = torch.stack(layers, 1).float().cpu()  # [n, L, H]
+            teacher[r] = (where, log_p[start : start + len(where)])
+            start += len(where)
     tensors = {
         "input_ids": torch.tensor([t for row in ids for t in row], dtype=torch.int32),
         "row_offsets": _offsets([len(x) for x in ids]),

@@ -5,10 +5,10 @@ read from a teacher cache (``data.teacher: cache``, :mod:`specdec.data.cache`); 
 learns its distribution on assistant tokens (DistillSpec, Zhou et al. 2024). One
 ``prepare``; gradient accumulation with ``no_sync``; losses divided by the global count of
 unmasked tokens across processes and accumulation steps, so N processes x A micro-batches
-give the same update as one process with N*A micro-batches. The data order is a seeded permutation per epoch and the
-data position is part of the saved state, so a resumed run continues the same run. Every
-``save_every`` steps: the full state (for resuming), a drafter checkpoint, and its score from
-the integrated decoder on held-out prompts.
+give the same update as one process with N*A micro-batches. The data order is a seeded
+permutation per epoch and the data position is part of the saved state, so a resumed run
+continues the same run. Every ``save_every`` steps: the full state (for resuming), a drafter
+checkpoint, and its score from the integrated decoder on held-out prompts.
 """
 
 from __future__ import annotations
@@ -376,9 +376,12 @@ def drafter_loss(
         if "teacher_logits" in batch:  # read from the teacher cache
             target_logits = batch["teacher_logits"]
             features = list(batch["features"]) if layers else []
-        else:
-            out = target.forward(ids, attention, hidden_layers=layers)
-            target_logits, features = out.logits, [out.hidden_states[i] for i in layers]
+        else:  # the target's logits only where a step's teacher reads them
+            wanted = _shift_left(batch["loss_mask"]).bool()
+            out = target.forward(ids, attention, hidden_layers=layers, logits_at=wanted)
+            target_logits = out.logits.new_zeros(*ids.shape, out.logits.shape[-1])
+            target_logits[wanted] = out.logits
+            features = [out.hidden_states[i] for i in layers]
         teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
     logits = model(ids, attention, features)  # [S, B, T, D]
     weights = drafter.step_weights()
@@ -406,6 +409,13 @@ def drafter_loss(
             outside = (teacher.tokens[0] < 0).float()
             metrics["train/out_of_vocab"] = masked_mean(outside, mask) * share
     return loss, {"train/loss": loss.detach() / processes, **metrics}
+
+
+def _shift_left(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: position t is set where token t + 1 is (the teacher rows of every step)."""
+    out = torch.zeros_like(mask)
+    out[:, :-1] = mask[:, 1:]
+    return out
 
 
 def _save(accelerator: Accelerator, state_dir: Path) -> None:
