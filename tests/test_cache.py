@@ -229,7 +229,7 @@ def test_refuses_a_cache_of_something_else(target, tmp_path):
     for key, change in [
         ("top_k", {"top_k": 16}),
         ("dtype", {"dtype": "bfloat16"}),
-        ("layers", {"layers": (1,)}),
+        ("layers", {"layers": (0, 1, 2)}),
     ]:
         with pytest.raises(DataError, match=f"another {key} "):
             make(target, data, tmp_path / "c", **{"top_k": 8, "dtype": "float16", **change})
@@ -245,6 +245,24 @@ def test_refuses_a_cache_of_something_else(target, tmp_path):
     (tmp_path / "c" / "manifest.json").unlink()
     with pytest.raises(DataError, match="has shards but no manifest.json"):
         make(target, data, tmp_path / "c", top_k=8, dtype="float16")
+
+
+def test_a_cache_of_more_layers_serves_drafters_that_read_fewer(target, tmp_path):
+    data = rows()
+    make(target, data, tmp_path / "c", top_k=8)
+    fewer = make(target, data, tmp_path / "c", layers=(1,), top_k=8)  # nothing to do
+    none = make(target, data, tmp_path / "c", layers=(), top_k=8)
+    for i in range(len(data)):
+        hidden = reference(target, data[i]["input_ids"])[1]
+        torch.testing.assert_close(fewer.row(i)["features"], hidden[:, 1:], atol=1e-5, rtol=1e-5)
+        assert "features" not in none.row(i)
+        assert torch.equal(none.row(i)["log_p"], fewer.row(i)["log_p"])
+    ids = torch.tensor([data[3]["input_ids"]])
+    assert "features" not in none.batch([3], ids.shape[1], ids)
+    assert fewer.batch([3], ids.shape[1], ids)["features"].shape[0] == 1
+    with pytest.raises(DataError, match="another layers"):
+        make(target, data, tmp_path / "one", layers=(1,), top_k=8)
+        make(target, data, tmp_path / "one", layers=(0, 1), top_k=8)
 
 
 def test_a_truncated_shard_is_named(target, tmp_path):

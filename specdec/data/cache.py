@@ -133,9 +133,12 @@ def read_manifest(out: Path) -> dict | None:
 
 
 def check_fingerprint(out: Path, manifest: dict, fp: dict) -> None:
-    """Raise DataError naming the first thing ``out`` was cached for that differs from now."""
+    """Raise DataError naming the first thing ``out`` was cached for that differs from now; a
+    cache of more layers than asked for serves (one cache for drafters that read fewer)."""
     old = manifest.get("fingerprint", {})
     for key, value in fp.items():
+        if key == "layers" and set(value) <= set(old.get(key) or ()):
+            continue
         if old.get(key) != value:
             raise DataError(
                 f"data.cache.dir: {out} holds a teacher cache of another {key} "
@@ -158,6 +161,7 @@ def build_cache(target, dataset, fp: dict, out: Path, batch_size: int, progress=
             raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
         manifest = {"format": FORMAT, "fingerprint": fp, "complete": False}
     check_fingerprint(out, manifest, fp)
+    fp = manifest["fingerprint"]  # the layers it holds, when more than asked for
     for stale in out.glob("*.tmp"):
         stale.unlink()  # a shard whose run was killed before its rename
     manifest["complete"] = False
@@ -270,7 +274,8 @@ class TeacherCache:
         if manifest is None or not manifest.get("complete"):
             raise DataError(f"data.cache.dir: {out} holds no complete teacher cache")
         check_fingerprint(out, manifest, fp)
-        self.fp, self.out = fp, out
+        self.fp, self.out = manifest["fingerprint"], out
+        self.layers = [self.fp["layers"].index(h) for h in fp["layers"]]  # those asked for
         self.shards, self.offsets = [], []
         for j in range(manifest["shards"]):
             try:
@@ -283,8 +288,9 @@ class TeacherCache:
             self.offsets.append(offsets)
 
     def row(self, index: int) -> dict:
-        """Row ``index``: ``input_ids`` [n], ``features`` [n, L, H] (if any), the teacher's
-        ``positions`` [m] and their log-probabilities ``log_p`` [m, V] (top-k rows filled)."""
+        """Row ``index``: ``input_ids`` [n], ``features`` [n, L, H] of the layers asked for
+        (if any), the teacher's ``positions`` [m] and their log-probabilities ``log_p``
+        [m, V] (top-k rows filled)."""
         j, r = divmod(index, self.fp["shard_rows"])
         shard, (rows, taught) = self.shards[j], self.offsets[j]
         a, b = int(rows[r]), int(rows[r + 1])
@@ -293,10 +299,11 @@ class TeacherCache:
             "input_ids": shard.get_slice("input_ids")[a:b].long(),
             "positions": shard.get_slice("teacher_pos")[c:d].long(),
         }
-        if self.fp["layers"]:
-            out["features"] = _unpack(
-                shard.get_slice("features")[a:b], self._scale(shard, "features", a, b)
-            )
+        if self.layers:
+            features = shard.get_slice("features")[a:b]
+            out["features"] = _unpack(features, self._scale(shard, "features", a, b))[
+                :, self.layers
+            ]
         values = _unpack(shard.get_slice("logp")[c:d], self._scale(shard, "logp", c, d))
         k, vocab = self.fp["top_k"], self.fp["vocab_size"]
         if k:
@@ -320,7 +327,7 @@ class TeacherCache:
             DataError: a row's tokens differ from the training data's (a cache of other data).
         """
         logits = torch.zeros(len(indices), width, self.fp["vocab_size"])
-        layers, hidden = len(self.fp["layers"]), self.fp["hidden_size"]
+        layers, hidden = len(self.layers), self.fp["hidden_size"]
         features = torch.zeros(layers, len(indices), width, hidden) if layers else None
         for b, i in enumerate(indices):
             row = self.row(i)
