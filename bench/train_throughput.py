@@ -44,7 +44,7 @@ def main() -> None:
     torch.manual_seed(recipe.run.seed)
     drafter = recipe_drafter(recipe, target, dataset)
     layers = drafter.required_target_layers
-    cache = open_teacher_cache(recipe, target, dataset, layers)
+    cache = open_teacher_cache(recipe, target, dataset, drafter)
     model = drafter.module.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     pad = target.tokenizer.pad_token_id or 0

@@ -118,23 +118,42 @@ def test_lossy_storage_stays_within_its_rounding(target, tmp_path, dtype, relati
         assert not torch.equal(row["features"], hidden)  # it is lossy: the test can tell
 
 
-def test_batch_places_each_row_at_its_positions_and_checks_tokens(target, tmp_path):
-    data = rows()
-    cache = make(target, data, tmp_path / "c", top_k=8)
+@pytest.mark.parametrize(("top_k", "draft"), [(8, None), (8, "some"), (0, "some")])
+def test_batch_is_the_teacher_over_the_draft_vocabulary_at_each_rows_positions(
+    target, tmp_path, top_k, draft
+):
+    """Against the read-back rows (tested above) restricted to the draft vocabulary by hand:
+    log-probabilities at the teacher positions, zero elsewhere, the top token's draft index."""
+    data, vocab = rows(), target.vocab_size
+    g = torch.Generator().manual_seed(1)
+    draft_ids = None if draft is None else torch.randperm(vocab, generator=g)[:100].sort().values
+    cfg = spec(top_k=top_k)
+    fp = fingerprint(target, SimpleNamespace(dtype="float32"), data, LAYERS, cfg)
+    build_cache(target, data, fp, tmp_path / "c", cfg.batch_size, progress=False)
+    cache = TeacherCache(tmp_path / "c", fp, draft_ids)
     order, width = [4, 0, 2], max(len(data[i]["input_ids"]) for i in (4, 0, 2)) + 3
     ids = torch.zeros(3, width, dtype=torch.long)
     for b, i in enumerate(order):
         ids[b, : len(data[i]["input_ids"])] = torch.tensor(data[i]["input_ids"])
     batch = cache.batch(order, width, ids)
-    assert batch["teacher_logits"].shape == (3, width, target.vocab_size)
+    columns = list(range(vocab)) if draft_ids is None else draft_ids.tolist()
+    assert batch["teacher_log_probs"].shape == (3, width, len(columns))
     for b, i in enumerate(order):
         row, n = cache.row(i), len(data[i]["input_ids"])
         where = taught(data[i]["loss_mask"])
-        assert torch.equal(batch["teacher_logits"][b, where], row["log_p"])
+        assert torch.equal(batch["teacher_log_probs"][b, where], row["log_p"][:, columns])
+        top = row["log_p"].argmax(-1).tolist()
+        expected = [columns.index(t) if t in columns else -1 for t in top]
+        assert batch["teacher_best"][b, where].tolist() == expected
         others = [t for t in range(width) if t not in where]
-        assert not batch["teacher_logits"][b, others].any()
+        assert not batch["teacher_log_probs"][b, others].any()
+        assert (batch["teacher_best"][b, others] == -1).all()
         assert torch.equal(batch["features"][:, b, :n], row["features"].transpose(0, 1))
         assert not batch["features"][:, b, n:].any()
+    if draft_ids is not None:  # some top tokens fall outside a 100-token draft vocabulary
+        assert (batch["teacher_best"] == -1).sum() > sum(
+            width - len(taught(data[i]["loss_mask"])) for i in order
+        )
     ids[1, 0] += 1
     with pytest.raises(DataError, match="row 0 holds other tokens"):
         cache.batch(order, width, ids)
@@ -259,6 +278,7 @@ def test_a_cache_of_more_layers_serves_drafters_that_read_fewer(target, tmp_path
         assert torch.equal(none.row(i)["log_p"], fewer.row(i)["log_p"])
     ids = torch.tensor([data[3]["input_ids"]])
     assert "features" not in none.batch([3], ids.shape[1], ids)
+    assert "teacher_log_probs" in none.batch([3], ids.shape[1], ids)
     assert fewer.batch([3], ids.shape[1], ids)["features"].shape[0] == 1
     with pytest.raises(DataError, match="another layers"):
         make(target, data, tmp_path / "one", layers=(1,), top_k=8)

@@ -131,12 +131,14 @@ def build_teacher_cache(recipe: Recipe, target, dataset, layers, progress: bool 
     return build_cache(target, dataset, fp, cache_dir(recipe), cfg.batch_size, progress)
 
 
-def open_teacher_cache(recipe: Recipe, target, dataset, layers):
-    """The recipe's complete teacher cache, checked against the target, data and layers."""
+def open_teacher_cache(recipe: Recipe, target, dataset, drafter):
+    """The recipe's complete teacher cache, checked against the target, data and the layers
+    ``drafter`` reads; its batches are over the drafter's vocabulary."""
     from specdec.data.cache import TeacherCache, fingerprint
 
+    layers = drafter.required_target_layers
     fp = fingerprint(target, recipe.target, dataset, layers, recipe.data.cache)
-    return TeacherCache(cache_dir(recipe), fp)
+    return TeacherCache(cache_dir(recipe), fp, drafter.draft_ids)
 
 
 def load_training_data(

@@ -267,14 +267,16 @@ class TeacherCache:
     Args:
         out: the cache directory.
         fp: the fingerprint it must have been made for.
+        draft_ids: ``[D]`` the drafter's vocabulary as target ids, for :meth:`batch` (None:
+            the target's vocabulary).
     """
 
-    def __init__(self, out: Path, fp: dict):
+    def __init__(self, out: Path, fp: dict, draft_ids: torch.Tensor | None = None):
         manifest = read_manifest(out)
         if manifest is None or not manifest.get("complete"):
             raise DataError(f"data.cache.dir: {out} holds no complete teacher cache")
         check_fingerprint(out, manifest, fp)
-        self.fp, self.out = manifest["fingerprint"], out
+        self.fp, self.out, self.draft_ids = manifest["fingerprint"], out, draft_ids
         self.layers = [self.fp["layers"].index(h) for h in fp["layers"]]  # those asked for
         self.shards, self.offsets = [], []
         for j in range(manifest["shards"]):
@@ -291,6 +293,16 @@ class TeacherCache:
         """Row ``index``: ``input_ids`` [n], ``features`` [n, L, H] of the layers asked for
         (if any), the teacher's ``positions`` [m] and their log-probabilities ``log_p``
         [m, V] (top-k rows filled)."""
+        out, (values, ids, fill) = self._read(index)
+        if ids is not None:
+            log_p = fill[:, None].expand(len(fill), self.fp["vocab_size"]).clone()
+            values = log_p.scatter_(1, ids, values)
+        out["log_p"] = values
+        return out
+
+    def _read(self, index: int) -> tuple[dict, tuple]:
+        """Row ``index`` as stored: its tokens, positions and features, and the teacher as
+        ``(values [m, k or V], ids [m, k] or None, tail log-probability [m] or None)``."""
         j, r = divmod(index, self.fp["shard_rows"])
         shard, (rows, taught) = self.shards[j], self.offsets[j]
         a, b = int(rows[r]), int(rows[r + 1])
@@ -306,38 +318,52 @@ class TeacherCache:
             ]
         values = _unpack(shard.get_slice("logp")[c:d], self._scale(shard, "logp", c, d))
         k, vocab = self.fp["top_k"], self.fp["vocab_size"]
-        if k:
-            rest = shard.get_slice("rest")[c:d]
-            tail = k < vocab
-            fill = (rest - math.log(vocab - k)) if tail else torch.full_like(rest, -math.inf)
-            log_p = fill[:, None].expand(d - c, vocab).clone()
-            log_p.scatter_(1, shard.get_slice("ids")[c:d].long(), values)
-            values = log_p
-        out["log_p"] = values
-        return out
+        if not k:
+            return out, (values, None, None)
+        rest = shard.get_slice("rest")[c:d]
+        fill = rest - math.log(vocab - k) if k < vocab else torch.full_like(rest, -math.inf)
+        return out, (values, shard.get_slice("ids")[c:d].long(), fill)
 
     def _scale(self, shard, name: str, a: int, b: int) -> torch.Tensor | None:
         return shard.get_slice(name + "_scale")[a:b] if self.fp["dtype"] == "fp8" else None
 
     def batch(self, indices: list[int], width: int, input_ids: torch.Tensor) -> dict:
-        """The teacher of a micro-batch padded to ``width``: ``teacher_logits`` [B, width, V]
-        and ``features`` [L, B, width, H] (when the drafter reads layers).
+        """The teacher of a micro-batch padded to ``width``, over the drafter's vocabulary:
+        ``teacher_log_probs`` [B, width, D] (what ``Drafter.teacher`` computes from the
+        target's logits, built without them),
+        ``teacher_best`` [B, width] (the target's top token as a draft index, -1: outside the
+        draft vocabulary), and ``features`` [L, B, width, H] when the drafter reads layers.
 
         Raises:
             DataError: a row's tokens differ from the training data's (a cache of other data).
         """
-        logits = torch.zeros(len(indices), width, self.fp["vocab_size"])
+        vocab = self.fp["vocab_size"]
+        draft = torch.arange(vocab) if self.draft_ids is None else self.draft_ids.cpu().long()
+        index = torch.full((vocab,), -1, dtype=torch.long)
+        index[draft] = torch.arange(len(draft))
+        log_p = torch.zeros(len(indices), width, len(draft))
+        best = torch.full((len(indices), width), -1, dtype=torch.long)
         layers, hidden = len(self.layers), self.fp["hidden_size"]
         features = torch.zeros(layers, len(indices), width, hidden) if layers else None
         for b, i in enumerate(indices):
-            row = self.row(i)
-            n = len(row["input_ids"])
+            row, (values, ids, fill) = self._read(i)
+            n, where = len(row["input_ids"]), row["positions"]
             if not torch.equal(row["input_ids"], input_ids[b, :n].cpu()):
                 raise DataError(f"{self.out}: row {i} holds other tokens than the training data")
-            logits[b, row["positions"]] = row["log_p"]
+            if ids is None:  # the full vocabulary
+                best[b, where] = index[values.argmax(-1)]
+                log_p[b, where] = values[:, draft]
+            else:  # the top k (best first), the rest spread evenly
+                best[b, where] = index[ids[:, 0]]
+                rows = fill[:, None].expand(len(fill), len(draft)).clone()
+                col = index[ids]
+                kept = col >= 0
+                at = torch.arange(len(ids))[:, None].expand_as(ids)
+                rows[at[kept], col[kept]] = values[kept]
+                log_p[b, where] = rows
             if features is not None:
                 features[:, b, :n] = row["features"].transpose(0, 1)
-        out = {"teacher_logits": logits}
+        out = {"teacher_log_probs": log_p, "teacher_best": best}
         if features is not None:
             out["features"] = features
         return out

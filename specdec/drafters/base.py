@@ -182,6 +182,13 @@ class TrainableDrafter(Drafter):
             index = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=ids.device)
             index[ids] = torch.arange(len(ids), device=ids.device)
             best = index[best]
+        return self.shifted_teacher(log_p, best, loss_mask)
+
+    def shifted_teacher(
+        self, log_p: torch.Tensor, best: torch.Tensor, loss_mask: torch.Tensor
+    ) -> Teacher:
+        """:meth:`teacher` from the target's ``[B, T, D]`` log-probabilities over the drafter's
+        vocabulary and its ``[B, T]`` top token there (-1: outside it), e.g. from a cache."""
         log_probs = torch.stack([_shift_left(log_p, self.shift + s) for s in range(self.steps)])
         tokens = torch.stack(
             [_shift_left(best, self.shift + s, fill=-1) for s in range(self.steps)]

@@ -163,7 +163,7 @@ def setup(recipe: Recipe) -> Run:
         if accelerator.is_main_process:
             build_teacher_cache(recipe, target, dataset, layers)
         accelerator.wait_for_everyone()
-        cache = open_teacher_cache(recipe, target, dataset, layers)
+        cache = open_teacher_cache(recipe, target, dataset, drafter)
     drafter.module.train()
     trainable = [p for p in drafter.module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -373,16 +373,17 @@ def drafter_loss(
     layers = drafter.required_target_layers
     ids, attention = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
-        if "teacher_logits" in batch:  # read from the teacher cache
-            target_logits = batch["teacher_logits"]
+        if "teacher_log_probs" in batch:  # read from the teacher cache
+            log_p, best = batch["teacher_log_probs"], batch["teacher_best"]
+            teacher = drafter.shifted_teacher(log_p, best, batch["loss_mask"])  # [S, B, T, D]
             features = list(batch["features"]) if layers else []
         else:  # the target's logits only where a step's teacher reads them
             wanted = _shift_left(batch["loss_mask"]).bool()
             out = target.forward(ids, attention, hidden_layers=layers, logits_at=wanted)
             target_logits = out.logits.new_zeros(*ids.shape, out.logits.shape[-1])
             target_logits[wanted] = out.logits
+            teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
             features = [out.hidden_states[i] for i in layers]
-        teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
     logits = model(ids, attention, features)  # [S, B, T, D]
     weights = drafter.step_weights()
     loss, metrics = 0.0, {}
