@@ -3,8 +3,9 @@
 The first ``--rows`` training rows of the recipe are cached with every storage choice (one
 target pass each, same rows); each is read back and compared with the float32 full-vocabulary
 cache, which reads back the target's own forward (``tests/test_cache.py``). Printed per choice:
-MB per 1,000 tokens, KL(full || read back) per teacher position (mean and 99th percentile),
-how often its top token is the target's, and the hidden states' RMS error relative to their
+MB per 1,000 tokens, KL(full || read back) and the total variation distance per teacher
+position (mean and 99th percentile; TV bounds how much any acceptance rate sum min(p, q) can
+move), how often its top token is the target's, and the hidden states' RMS error relative to their
 RMS. Not a test: a measurement.
 
     python bench/cache_storage.py --config recipes/smollm2-135m/eagle3.yaml --rows 32
@@ -68,20 +69,22 @@ def main() -> None:
             "top-k   dtype     MB/1k tokens  KL mean    KL p99     top-1 same  hidden rel. RMS err"
         )
         for (top_k, dtype), (cache, manifest) in caches.items():
-            kl, same, err, norm = [], [], 0.0, 0.0
+            kl, tv, same, err, norm = [], [], [], 0.0, 0.0
             for i, ref in enumerate(reference):
                 row = cache.row(i)
                 p = ref["log_p"]
                 kl.append((p.exp() * (p - row["log_p"])).sum(-1))
+                tv.append((p.exp() - row["log_p"].exp()).abs().sum(-1) / 2)
                 same.append(row["log_p"].argmax(-1) == p.argmax(-1))
                 if "features" in ref:
                     err += float((row["features"] - ref["features"]).pow(2).sum())
                     norm += float(ref["features"].pow(2).sum())
-            kl, same = torch.cat(kl), torch.cat(same).float()
+            kl, tv, same = torch.cat(kl), torch.cat(tv), torch.cat(same).float()
             rel = (err / norm) ** 0.5 if norm else float("nan")
             print(
                 f"{top_k or 'full':<8}{dtype:<10}{manifest['bytes'] / tokens / 1000:>12.3f}"
-                f"{kl.mean():>10.2e}{kl.quantile(0.99):>10.2e}{same.mean():>12.4f}{rel:>14.2e}"
+                f"{kl.mean():>10.2e}{kl.quantile(0.99):>10.2e}{tv.mean():>10.2e}"
+                f"{tv.quantile(0.99):>10.2e}{same.mean():>12.4f}{rel:>14.2e}"
             )
 
 
