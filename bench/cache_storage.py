@@ -66,7 +66,8 @@ def main() -> None:
             f"{list(layers)}, vocabulary {target.vocab_size}"
         )
         print(
-            "top-k   dtype     MB/1k tokens  KL mean    KL p99     top-1 same  hidden rel. RMS err"
+            "top-k   dtype     MB/1k tokens  KL mean   KL p99    TV mean   TV p99  top-1 same"
+            "  hidden rel. RMS err"
         )
         for (top_k, dtype), (cache, manifest) in caches.items():
             kl, tv, same, err, norm = [], [], [], 0.0, 0.0
