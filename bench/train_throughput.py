@@ -7,8 +7,9 @@ optimizer), (c) the same step with the teacher read from the recipe's teacher ca
 and unpacking the shards is inside the timing). Prints tokens/s, the cache's speedup over
 online, and peak memory. Not a test: a measurement.
 
-    specdec data cache --config recipes/smollm2-135m/eagle3.yaml     # once: builds the cache
     python bench/train_throughput.py --config recipes/smollm2-135m/eagle3.yaml --steps 12
+
+The recipe's cache is built first when it is missing (``specdec data cache`` does the same).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import torch
 
 from specdec.config import load_recipe
-from specdec.data.build import load_training_data, open_teacher_cache
+from specdec.data.build import build_teacher_cache, load_training_data, open_teacher_cache
 from specdec.target import FrozenTarget
 from specdec.training.loop import drafter_loss, micro_batch, recipe_drafter
 
@@ -44,6 +45,7 @@ def main() -> None:
     torch.manual_seed(recipe.run.seed)
     drafter = recipe_drafter(recipe, target, dataset)
     layers = drafter.required_target_layers
+    build_teacher_cache(recipe, target, dataset, layers)  # nothing to do when it is there
     cache = open_teacher_cache(recipe, target, dataset, drafter)
     model = drafter.module.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)

@@ -339,3 +339,34 @@ def test_training_from_the_full_cache_equals_training_online(files, tmp_path, re
         torch.testing.assert_close(cached[key], value, atol=1e-5, rtol=1e-4, msg=key)
     # the test can tell teachers apart: a lossy cache trains other weights
     assert any(not torch.allclose(lossy[k], v, atol=1e-4) for k, v in online.items())
+
+
+def test_cache_command_builds_resumes_and_refuses_in_one_line(files, tmp_path, capsys):
+    from specdec.cli import main
+
+    sets = [
+        f"target.model={files / 'target'}",
+        f"run.output_dir={tmp_path / 'run'}",
+        f"data.prompts=[{files / 'train.jsonl'}]",
+        f"eval.prompts=[{files / 'eval.jsonl'}]",
+        "data.cache.shard_rows=3",
+    ]
+    recipe = str(ROOT / "recipes" / "debug" / "tiny_eagle3.yaml")
+    assert main(["data", "cache", "--config", recipe, "--set", *sets]) == 0
+    line = capsys.readouterr().out.strip()
+    manifest = json.loads((tmp_path / "run" / "teacher-cache" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["shards"] == 3
+    assert f"{manifest['fingerprint']['rows']} rows, {manifest['tokens']} tokens" in line
+    mtimes = [
+        p.stat().st_mtime_ns for p in sorted((tmp_path / "run" / "teacher-cache").glob("shard-*"))
+    ]
+    assert main(["data", "cache", "--config", recipe, "--set", *sets]) == 0  # nothing to do
+    assert mtimes == [
+        p.stat().st_mtime_ns for p in sorted((tmp_path / "run" / "teacher-cache").glob("shard-*"))
+    ]
+    capsys.readouterr()
+    assert main(["data", "cache", "--config", recipe, "--set", *sets, "data.cache.dtype=fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    last = err.splitlines()[-1]  # after the log lines
+    assert last.startswith("specdec: error: data.cache.dir: ") and "Traceback" not in err
+    assert "another dtype ('float16' there, 'fp8' now)" in last
