@@ -20,11 +20,11 @@ from types import SimpleNamespace
 
 import torch
 
+from specdec import drafters
 from specdec.config import load_recipe
 from specdec.data.build import load_training_data
 from specdec.data.cache import TeacherCache, build_cache, fingerprint
 from specdec.target import FrozenTarget
-from specdec.training.loop import recipe_drafter
 
 CHOICES = [
     (0, "float32"),
@@ -47,7 +47,7 @@ def main() -> None:
     recipe = load_recipe(args.config, args.overrides)
     target = FrozenTarget.from_config(recipe.target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
-    layers = recipe_drafter(recipe, target, dataset).required_target_layers
+    layers = drafters.for_recipe(recipe.drafter, target, dataset).required_target_layers
     dataset = dataset.select(range(min(args.rows, len(dataset))))
     caches = {}
     with tempfile.TemporaryDirectory() as tmp:

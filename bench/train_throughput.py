@@ -20,10 +20,11 @@ import time
 
 import torch
 
+from specdec import drafters
 from specdec.config import load_recipe
 from specdec.data.build import build_teacher_cache, load_training_data, open_teacher_cache
 from specdec.target import FrozenTarget
-from specdec.training.loop import drafter_loss, micro_batch, recipe_drafter
+from specdec.training.loop import drafter_loss, micro_batch
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -43,7 +44,7 @@ def main() -> None:
     target = FrozenTarget.from_config(recipe.target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
     torch.manual_seed(recipe.run.seed)
-    drafter = recipe_drafter(recipe, target, dataset)
+    drafter = drafters.for_recipe(recipe.drafter, target, dataset)
     layers = drafter.required_target_layers
     build_teacher_cache(recipe, target, dataset, layers)  # nothing to do when it is there
     cache = open_teacher_cache(recipe, target, dataset, drafter)

@@ -1,5 +1,6 @@
 """The teacher cache on the real SmolLM2 target: the full float32 cache reads back the target's
-own forward; a top-64 fp8 cache keeps its top token and stays close in KL."""
+own forward; a top-64 fp8 cache keeps its top token and stays within its total-variation
+bound."""
 
 from types import SimpleNamespace
 
@@ -58,5 +59,12 @@ def test_smollm2_cache_reads_back_its_forward(setup, tmp_path):
         approx = lossy.row(i)["log_p"]
         # its top token is the target's but where fp8 rounding meets a near-tie
         assert (approx.argmax(-1) == log_p.argmax(-1)).float().mean() >= 0.98
-        kl = (log_p.exp() * (log_p - approx)).sum(-1)
-        assert kl.max() < 0.1, kl.max()
+        # total variation: the tail contributes at most its mass (both sides spread it), the
+        # top 64 at most fp8's relative error on each log-probability (2^-4, times e^(2^-4 |log p|)
+        # < 1.1 while p > e^-1.5, the values that weigh)
+        p = log_p.exp()
+        top = log_p.topk(64, -1)
+        rest = 1 - top.values.exp().sum(-1)
+        entropy_top = -(top.values.exp() * top.values).sum(-1)
+        tv = (p - approx.exp()).abs().sum(-1) / 2
+        assert (tv <= rest + 0.55 * entropy_top / 16 + 1e-3).all(), (tv, rest)

@@ -179,14 +179,14 @@ def cache_from_recipe(path: str, overrides: list[str]) -> dict:
     layers, then the teacher cache; returns what was cached and how fast."""
     import time
 
+    from specdec import drafters
     from specdec.target import FrozenTarget
-    from specdec.training.loop import recipe_drafter
 
     recipe = load_recipe(path, overrides)
     target = FrozenTarget.from_config(recipe.target)
     build_data(recipe, target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
-    layers = recipe_drafter(recipe, target, dataset).required_target_layers
+    layers = drafters.for_recipe(recipe.drafter, target, dataset).required_target_layers
     start = time.perf_counter()
     manifest = build_teacher_cache(recipe, target, dataset, layers)
     manifest["seconds"] = time.perf_counter() - start

@@ -59,7 +59,7 @@ def fingerprint(target, target_cfg, dataset, layers, cfg) -> dict:
     config = {k: v for k, v in target.model.config.to_dict().items() if not k.startswith("_")}
     config.pop("transformers_version", None)
     with torch.no_grad():
-        checksum = sum(float(p.double().sum()) for p in target.model.parameters())
+        checksum = sum(float(p.sum(dtype=torch.float64)) for p in target.model.parameters())
     data = hashlib.sha256()
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
         data.update(json.dumps([ids, mask]).encode())
@@ -219,14 +219,21 @@ def encode_rows(target, dataset, rows: range, fp: dict, batch_size: int) -> dict
             wanted[i, teacher_positions(masks[r])] = True
         with torch.no_grad():
             out = target.forward(batch, attention, hidden_layers=fp["layers"], logits_at=wanted)
-            log_p = torch.log_softmax(out.logits.float(), -1).cpu()  # [N, V], row-major
+            log_p = torch.log_softmax(out.logits.float(), -1)  # [N, V], row-major
+            if fp["top_k"]:  # only the top k leave the batch
+                top = log_p.topk(min(fp["top_k"], log_p.shape[-1]), dim=-1)
+                kept = top.values.exp().sum(-1).clamp(max=1.0)
+                rest = torch.log1p(-kept).clamp_min(MIN_LOG_REST)
+                parts = (top.values.cpu(), top.indices.to(torch.int32).cpu(), rest.cpu())
+            else:
+                parts = (log_p.cpu(),)
         start = 0
         for i, r in enumerate(chunk):
             n, where = len(ids[r]), wanted[i].nonzero().squeeze(-1)
             if fp["layers"]:
                 layers = [out.hidden_states[h][i, :n] for h in fp["layers"]]
                 features[r] = torch.stack(layers, 1).float().cpu()  # [n, L, H]
-            teacher[r] = (where, log_p[start : start + len(where)])
+            teacher[r] = (where, [x[start : start + len(where)] for x in parts])
             start += len(where)
     tensors = {
         "input_ids": torch.tensor([t for row in ids for t in row], dtype=torch.int32),
@@ -236,14 +243,10 @@ def encode_rows(target, dataset, rows: range, fp: dict, batch_size: int) -> dict
     }
     if fp["layers"]:
         tensors |= _named("features", _pack(torch.cat(features), fp["dtype"]))
-    log_p = torch.cat([lp for _, lp in teacher])  # [M, V]
-    if fp["top_k"]:
-        top = log_p.topk(min(fp["top_k"], log_p.shape[-1]), dim=-1)
-        kept = top.values.exp().sum(-1).clamp(max=1.0)
-        rest = torch.log1p(-kept).clamp_min(MIN_LOG_REST)
-        tensors |= {"ids": top.indices.to(torch.int32).contiguous(), "rest": rest.contiguous()}
-        log_p = top.values
-    tensors |= _named("logp", _pack(log_p, fp["dtype"]))
+    columns = [torch.cat(c) for c in zip(*(parts for _, parts in teacher), strict=True)]
+    if fp["top_k"]:  # [M, k] log-probabilities, their ids, [M] log of the rest
+        tensors |= {"ids": columns[1].contiguous(), "rest": columns[2].contiguous()}
+    tensors |= _named("logp", _pack(columns[0], fp["dtype"]))  # [M, k or V]
     return tensors
 
 

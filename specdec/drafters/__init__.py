@@ -17,6 +17,7 @@ from specdec.drafters.checkpoint import read_meta
 from specdec.drafters.draft_model import DraftModelDrafter, load_draft_model
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.vocabulary import token_counts
 from specdec.errors import ConfigError, ModelError
 
 REGISTRY: dict[str, type[Drafter]] = {
@@ -51,6 +52,20 @@ def is_trainable(name: str) -> bool:
 def build(target, config, token_counts=None) -> Drafter:
     """A fresh drafter of the family ``config.type`` for ``target`` (untrained where trained)."""
     return drafter_class(config.type).build(target, config, token_counts)
+
+
+def for_recipe(config, target, dataset) -> TrainableDrafter:
+    """A recipe's drafter (its ``drafter`` section): from ``from_pretrained``, or built fresh
+    for ``target`` with the token counts of the training ``dataset``."""
+    path = config.from_pretrained
+    if not path:
+        return build(target, config, token_counts(dataset, target.vocab_size))
+    family = family_of(path)
+    if family != config.type:
+        raise ConfigError(
+            f"drafter.from_pretrained: {path} holds a '{family}' drafter, not '{config.type}'"
+        )
+    return load(path, target)
 
 
 def load(path: str | os.PathLike, target) -> Drafter:

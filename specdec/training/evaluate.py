@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -54,3 +55,20 @@ def score_checkpoint(model, drafter, target, recipe: Recipe, step: int) -> dict:
     for i, rate in enumerate(result["accept_rate_per_position"], start=1):
         metrics[f"eval/accept@{i}"] = rate
     return metrics
+
+
+def checkpoint_table(run_dir: Path) -> list[dict]:
+    """tau, speedup and greedy identity of every scored checkpoint of a run, in step order."""
+    rows = []
+    for path in sorted((run_dir / "checkpoints").glob("step-*/score.json")):
+        s = json.loads(path.read_text())
+        rows.append(
+            {
+                "checkpoint": path.parent.name,
+                "tau": s["tau"],
+                "speedup": s["speedup"],
+                "greedy_match_rate": s["greedy_match_rate"],
+                "accept": s["accept_rate_per_position"],
+            }
+        )
+    return rows

@@ -28,12 +28,11 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from specdec.config import Recipe, save_recipe
-from specdec.drafters.vocabulary import token_counts
 from specdec.errors import ConfigError
 from specdec.files import replace_dir
 from specdec.losses import acceptance_rate, distill_loss, masked_mean, token_agreement
 from specdec.training.checkpoint import TrainState, check_same_recipe
-from specdec.training.evaluate import score_checkpoint
+from specdec.training.evaluate import checkpoint_table, score_checkpoint
 from specdec.training.trackers import MetricsLog
 
 logger = logging.getLogger(__name__)
@@ -156,7 +155,7 @@ def setup(recipe: Recipe) -> Run:
         raise ConfigError(
             f"train.batch_size: {len(dataset)} training rows cannot fill one step of {per_step}"
         )
-    drafter = recipe_drafter(recipe, target, dataset)
+    drafter = drafters.for_recipe(recipe.drafter, target, dataset)
     cache = None
     if recipe.data.teacher == "cache":
         layers = drafter.required_target_layers
@@ -196,23 +195,6 @@ def setup(recipe: Recipe) -> Run:
         lengths,
         cache,
     )
-
-
-def recipe_drafter(recipe: Recipe, target, dataset):
-    """The recipe's drafter: from its checkpoint, or built fresh for the target."""
-    from specdec import drafters
-
-    path = recipe.drafter.from_pretrained
-    if not path:
-        counts = token_counts(dataset, target.vocab_size)
-        return drafters.build(target, recipe.drafter, counts)
-    family = drafters.family_of(path)
-    if family != recipe.drafter.type:
-        raise ConfigError(
-            f"drafter.from_pretrained: {path} holds a '{family}' drafter, "
-            f"not '{recipe.drafter.type}'"
-        )
-    return drafters.load(path, target)
 
 
 def train(recipe: Recipe) -> dict:
@@ -321,23 +303,6 @@ def save_and_score(run: Run, log: MetricsLog) -> None:
         log.write(run.state.step, metrics)
         model.train()
     accelerator.wait_for_everyone()
-
-
-def checkpoint_table(run_dir: Path) -> list[dict]:
-    """tau, speedup and greedy identity of every scored checkpoint of a run, in step order."""
-    rows = []
-    for path in sorted((run_dir / "checkpoints").glob("step-*/score.json")):
-        s = json.loads(path.read_text())
-        rows.append(
-            {
-                "checkpoint": path.parent.name,
-                "tau": s["tau"],
-                "speedup": s["speedup"],
-                "greedy_match_rate": s["greedy_match_rate"],
-                "accept": s["accept_rate_per_position"],
-            }
-        )
-    return rows
 
 
 def _micro_step(run: Run, batch: dict, num_tokens: torch.Tensor) -> dict:
