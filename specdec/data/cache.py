@@ -40,13 +40,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from specdec.data.shards import write_atomic
+from specdec.data.shards import MANIFEST, read_manifest, write_atomic
 from specdec.errors import DataError
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "specdec-teacher-cache/1"
-MANIFEST = "manifest.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_LOG_REST = -60.0  # the remaining mass is kept at least e^-60, so no log-probability is -inf
@@ -119,19 +118,6 @@ def _shard_name(j: int) -> str:
     return f"shard-{j:05d}.safetensors"
 
 
-def read_manifest(out: Path) -> dict | None:
-    path = out / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DataError(f"{path} is not a {FORMAT} manifest")
-    return manifest
-
-
 def check_fingerprint(out: Path, manifest: dict, fp: dict) -> None:
     """Raise DataError naming the first thing ``out`` was cached for that differs from now; a
     cache of more layers than asked for serves (one cache for drafters that read fewer)."""
@@ -155,7 +141,7 @@ def build_cache(target, dataset, fp: dict, out: Path, batch_size: int, progress=
         DataError: ``out`` holds a cache made for something else, or files that are not one.
     """
     out.mkdir(parents=True, exist_ok=True)
-    manifest = read_manifest(out)
+    manifest = read_manifest(out, FORMAT)
     if manifest is None:
         if any(out.glob("shard-*")):
             raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
@@ -275,7 +261,7 @@ class TeacherCache:
     """
 
     def __init__(self, out: Path, fp: dict, draft_ids: torch.Tensor | None = None):
-        manifest = read_manifest(out)
+        manifest = read_manifest(out, FORMAT)
         if manifest is None or not manifest.get("complete"):
             raise DataError(f"data.cache.dir: {out} holds no complete teacher cache")
         check_fingerprint(out, manifest, fp)

@@ -38,7 +38,7 @@ def load_regenerated(out_dir: str | Path) -> datasets.Dataset:
         ``category``, ``num_new_tokens`` and ``finished`` (the response ended with EOS).
     """
     out = Path(out_dir)
-    manifest = _read_manifest(out)
+    manifest = read_manifest(out)
     if manifest is None:
         raise DataError(f"{out / MANIFEST} not found: {out} holds no regeneration")
     rows = []
@@ -59,7 +59,7 @@ def resume(out: Path, settings: dict) -> dict[str, bool]:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp"):
         stale.unlink()  # a write that was killed before its os.replace
-    manifest = _read_manifest(out)
+    manifest = read_manifest(out)
     if manifest is None:
         if _shard_paths(out):
             raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
@@ -75,16 +75,22 @@ def resume(out: Path, settings: dict) -> dict[str, bool]:
     return {r["id"]: r["finished"] for path in _shard_paths(out) for r in _read_shard(path)}
 
 
-def _read_manifest(out: Path) -> dict | None:
+def read_manifest(out: Path, fmt: str = FORMAT) -> dict | None:
+    """``out``'s manifest of format ``fmt``, or None when there is none.
+
+    Raises:
+        DataError: the manifest is not JSON or not of that format.
+    """
     path = out / MANIFEST
     if not path.exists():
         return None
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{path} is not valid JSON: {err}") from None
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{path} is not a {FORMAT} manifest (format {manifest.get('format')!r})")
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != fmt:
+        raise DataError(f"{path} is not a {fmt} manifest (format {found!r})")
     return manifest
 
 
