@@ -22,7 +22,12 @@ import torch
 
 from specdec import drafters
 from specdec.config import load_recipe
-from specdec.data.build import build_teacher_cache, load_training_data, open_teacher_cache
+from specdec.data.build import (
+    build_teacher_cache,
+    cache_fingerprint,
+    load_training_data,
+    open_teacher_cache,
+)
 from specdec.target import FrozenTarget
 from specdec.training.loop import drafter_loss, micro_batch
 
@@ -46,8 +51,9 @@ def main() -> None:
     torch.manual_seed(recipe.run.seed)
     drafter = drafters.for_recipe(recipe.drafter, target, dataset)
     layers = drafter.required_target_layers
-    build_teacher_cache(recipe, target, dataset, layers)  # nothing to do when it is there
-    cache = open_teacher_cache(recipe, target, dataset, drafter)
+    fp = cache_fingerprint(recipe, target, dataset, layers)
+    build_teacher_cache(recipe, target, dataset, fp)  # nothing to do when it is there
+    cache = open_teacher_cache(recipe, fp, drafter.draft_ids)
     model = drafter.module.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     pad = target.tokenizer.pad_token_id or 0

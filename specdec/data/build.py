@@ -121,24 +121,29 @@ def cache_dir(recipe: Recipe) -> Path:
     return Path(recipe.data.cache.dir or recipe.run_dir / "teacher-cache")
 
 
-def build_teacher_cache(recipe: Recipe, target, dataset, layers, progress: bool = True) -> dict:
-    """Cache the target's teacher for ``dataset`` (the recipe's training rows) and the
-    drafter's ``layers`` into :func:`cache_dir`, resuming; returns the manifest."""
-    from specdec.data.cache import build_cache, fingerprint
+def cache_fingerprint(recipe: Recipe, target, dataset, layers) -> dict:
+    """What the recipe's teacher cache must have been made for (target, the training rows
+    ``dataset``, the drafter's ``layers``, the ``data.cache`` storage); computed once per run."""
+    from specdec.data.cache import fingerprint
 
-    cfg = recipe.data.cache
-    fp = fingerprint(target, recipe.target, dataset, layers, cfg)
-    return build_cache(target, dataset, fp, cache_dir(recipe), cfg.batch_size, progress)
+    return fingerprint(target, recipe.target, dataset, layers, recipe.data.cache)
 
 
-def open_teacher_cache(recipe: Recipe, target, dataset, drafter):
-    """The recipe's complete teacher cache, checked against the target, data and the layers
-    ``drafter`` reads; its batches are over the drafter's vocabulary."""
-    from specdec.data.cache import TeacherCache, fingerprint
+def build_teacher_cache(recipe: Recipe, target, dataset, fp: dict, progress: bool = True) -> dict:
+    """Cache the target's teacher for ``dataset`` into :func:`cache_dir`, resuming; returns
+    the manifest."""
+    from specdec.data.cache import build_cache
 
-    layers = drafter.required_target_layers
-    fp = fingerprint(target, recipe.target, dataset, layers, recipe.data.cache)
-    return TeacherCache(cache_dir(recipe), fp, drafter.draft_ids)
+    out = cache_dir(recipe)
+    return build_cache(target, dataset, fp, out, recipe.data.cache.batch_size, progress)
+
+
+def open_teacher_cache(recipe: Recipe, fp: dict, draft_ids=None):
+    """The recipe's complete teacher cache, checked against ``fp``; its batches are over the
+    drafter's vocabulary ``draft_ids``."""
+    from specdec.data.cache import TeacherCache
+
+    return TeacherCache(cache_dir(recipe), fp, draft_ids)
 
 
 def load_training_data(
@@ -188,7 +193,8 @@ def cache_from_recipe(path: str, overrides: list[str]) -> dict:
     dataset, _ = load_training_data(recipe, target.tokenizer)
     layers = drafters.for_recipe(recipe.drafter, target, dataset).required_target_layers
     start = time.perf_counter()
-    manifest = build_teacher_cache(recipe, target, dataset, layers)
+    fp = cache_fingerprint(recipe, target, dataset, layers)
+    manifest = build_teacher_cache(recipe, target, dataset, fp)
     manifest["seconds"] = time.perf_counter() - start
     manifest["dir"] = str(cache_dir(recipe))
     return manifest

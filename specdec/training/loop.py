@@ -123,6 +123,7 @@ def setup(recipe: Recipe) -> Run:
     from specdec.data.build import (
         build_data,
         build_teacher_cache,
+        cache_fingerprint,
         load_training_data,
         open_teacher_cache,
     )
@@ -158,11 +159,11 @@ def setup(recipe: Recipe) -> Run:
     drafter = drafters.for_recipe(recipe.drafter, target, dataset)
     cache = None
     if recipe.data.teacher == "cache":
-        layers = drafter.required_target_layers
+        fp = cache_fingerprint(recipe, target, dataset, drafter.required_target_layers)
         if accelerator.is_main_process:
-            build_teacher_cache(recipe, target, dataset, layers)
+            build_teacher_cache(recipe, target, dataset, fp)
         accelerator.wait_for_everyone()
-        cache = open_teacher_cache(recipe, target, dataset, drafter)
+        cache = open_teacher_cache(recipe, fp, drafter.draft_ids)
     drafter.module.train()
     trainable = [p for p in drafter.module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
