@@ -1,14 +1,22 @@
-"""Throughput of target regeneration: length-sorted vs unsorted batches, at several batch sizes.
+"""Throughput of target regeneration: length-sorted vs unsorted batches, batch sizes, workers.
 
 Every configuration regenerates the same prompts greedily with :func:`specdec.data.regenerate`
 in one process, after a dropped warm-up (the fastest of ``--repeats`` runs is kept), and the
-table prints tokens/s relative to batch size 1. Tokens are counted the same way for every row
+table prints tokens/s relative to the first row (batch size 1 when asked for). Tokens are
+counted the same way for every row
 (new tokens up to and including EOS). The last column counts prompts whose response differs
-from batch size 1 (batched float arithmetic can flip a near-tie; expect 0 in float64, a few at
+from the first row (batched float arithmetic can flip a near-tie; expect 0 in float64, a few at
 most otherwise).
 
     python bench/regenerate_throughput.py                      # tiny random Llama, in-process
     python bench/regenerate_throughput.py --model DIR --num-prompts 96 --max-new-tokens 128
+    python bench/regenerate_throughput.py --config recipes/smollm2-135m/eagle3.yaml \
+        --num-prompts 64 --max-new-tokens 128 --batch-sizes 16 --workers 1 2 4
+
+``--workers`` adds rows for that many worker processes (at the largest batch size, sorted);
+their seconds are the whole call's wall clock, the workers' start and model loading included.
+``--config`` takes the target and the first training prompts (held-out ones removed) of a
+recipe.
 
 On a shared or busy CPU pass ``--threads`` (OpenMP threads that wait on each other swing the
 timings by several times) and ``--repeats 3``.
@@ -25,6 +33,7 @@ import json
 import random
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +46,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from specdec.config import load_recipe
+from specdec.data.build import load_target_model, training_prompts
+from specdec.data.chat import prompt_messages
 from specdec.data.regenerate import load_regenerated, regenerate
 
 TEXT = (
@@ -105,6 +117,14 @@ def read_prompts(path: Path, n: int) -> list[dict]:
     return [{"id": str(r["id"]), "messages": r["messages"]} for r in rows[:n]]
 
 
+def recipe_prompts(config: Path, n: int) -> tuple[object, list[dict]]:
+    """The recipe's target and its first ``n`` training prompts."""
+    recipe = load_recipe(str(config), [])
+    rows = training_prompts(recipe)[0][:n]
+    prompts = [{"id": r["id"], "messages": prompt_messages(r["messages"])} for r in rows]
+    return recipe.target, prompts
+
+
 def measure(model, tokenizer, prompts, max_new_tokens, **batching) -> tuple[float, int, list]:
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
@@ -121,6 +141,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="local model directory (default: tiny)")
     parser.add_argument("--prompts", type=Path, help="JSONL of {id, messages} rows")
+    parser.add_argument("--config", type=Path, help="a recipe: its target and training prompts")
+    parser.add_argument("--workers", type=int, nargs="+", default=[], help="worker processes")
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
@@ -134,7 +156,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     dtype = getattr(torch, args.dtype)
-    if args.model:
+    load = None
+    if args.config:
+        spec, prompts = recipe_prompts(args.config, args.num_prompts)
+        load = partial(load_target_model, spec)
+        model, tokenizer = load()
+    elif args.model:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             args.model, dtype=dtype, local_files_only=True
@@ -144,19 +171,19 @@ def main() -> None:
         model = model.to(dtype)
     if args.prompts:
         prompts = read_prompts(args.prompts, args.num_prompts)
-    else:
+    elif not args.config:
         prompts = synthetic_prompts(args.num_prompts, seed=0)
     lengths = sorted(
         len(tokenizer.apply_chat_template(p["messages"])["input_ids"]) for p in prompts
     )
     print(
-        f"model {args.model or f'tiny llama (hidden {args.hidden})'} {args.dtype}, "
+        f"model {args.config or args.model or f'tiny llama (hidden {args.hidden})'} {model.dtype}, "
         f"{torch.get_num_threads()} threads, {len(prompts)} prompts of {lengths[0]}.."
         f"{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "
         f"max_new_tokens {args.max_new_tokens}, greedy"
     )
 
-    configs = [("batch 1", {"batch_size": 1})]
+    configs = [("batch 1", {"batch_size": 1})] if 1 in args.batch_sizes else []
     for size in (s for s in args.batch_sizes if s > 1):
         configs.append((f"batch {size} unsorted", {"batch_size": size, "sort_by_length": False}))
         configs.append((f"batch {size} sorted", {"batch_size": size}))
@@ -164,6 +191,16 @@ def main() -> None:
         big = max(args.batch_sizes) * 4
         budget = {"batch_size": big, "max_batch_tokens": args.max_batch_tokens}
         configs.append((f"sorted, <= {args.max_batch_tokens} tokens", budget))
+    for workers in (w for w in args.workers if w > 1):
+        if load is None:
+            parser.error("--workers needs --config (workers load the recipe's target)")
+        size = max(args.batch_sizes)
+        configs.append(
+            (
+                f"batch {size}, {workers} workers",
+                {"batch_size": size, "workers": workers, "load": load},
+            )
+        )
 
     measure(model, tokenizer, prompts[:4], 4, batch_size=4)  # warm-up, dropped
     results = []
@@ -174,7 +211,7 @@ def main() -> None:
         results.append((name, *min(runs, key=lambda r: r[0])))
     base_seconds, base_tokens, base_texts = results[0][1:]
     base_rate = base_tokens / base_seconds
-    print(f"{'config':<28}{'seconds':>9}{'tokens':>9}{'tok/s':>10}{'x batch 1':>11}{'differ':>8}")
+    print(f"{'config':<28}{'seconds':>9}{'tokens':>9}{'tok/s':>10}{'x first':>11}{'differ':>8}")
     for name, seconds, tokens, texts in results:
         rate = tokens / seconds
         differ = sum(a != b for a, b in zip(texts, base_texts, strict=True))

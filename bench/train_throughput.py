@@ -29,7 +29,7 @@ from specdec.data.build import (
     open_teacher_cache,
 )
 from specdec.target import FrozenTarget
-from specdec.training.loop import drafter_loss, micro_batch
+from specdec.training.step import drafter_loss, micro_batch
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -75,7 +75,7 @@ def main() -> None:
     def train_step(i: int, with_cache: bool) -> int:  # the training loop's own loss
         b = batch(i, with_cache)
         counts = drafter.loss_masks(b["loss_mask"]).sum(dim=(1, 2)).float()
-        loss, _ = drafter_loss(drafter, model, target, b, recipe.loss, counts)
+        loss, _, _ = drafter_loss(drafter, model, target, b, recipe.loss, counts)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -103,7 +103,7 @@ def test_greedy_equals_unpadded_generate(tiny_model, tmp_path):
         for i, p in enumerate(prompts)
     ]
     params = regen.SamplingParams()
-    generate = regen._BatchGenerator(model, params, 0, [tokenizer.eos_token_id], None, 12)
+    generate = regen.BatchGenerator(model, params, 0, [tokenizer.eos_token_id], None, 12)
     assert generate(batch) == expected
 
 
@@ -184,7 +184,7 @@ def test_resume_after_kill_equals_uninterrupted_run(tiny_llama, tmp_path, monkey
 def test_ctrl_c_keeps_generated_rows(tiny_llama, tmp_path, monkeypatch):
     model, tokenizer = tiny_llama
     prompts = make_prompts(10)
-    call = regen._BatchGenerator.__call__
+    call = regen.BatchGenerator.__call__
     calls = []
 
     def interrupted(self, batch):
@@ -194,7 +194,7 @@ def test_ctrl_c_keeps_generated_rows(tiny_llama, tmp_path, monkeypatch):
         return call(self, batch)
 
     with monkeypatch.context() as patch:
-        patch.setattr(regen._BatchGenerator, "__call__", interrupted)
+        patch.setattr(regen.BatchGenerator, "__call__", interrupted)
         with pytest.raises(KeyboardInterrupt):
             run(model, tokenizer, prompts, tmp_path, batch_size=2, shard_size=100)
     assert len(load_regenerated(tmp_path)) == 4  # two batches, flushed as one short shard

@@ -256,7 +256,7 @@ def test_drafter_with_another_vocabulary_is_refused(setup, tmp_path):
 def test_length_groups_cover_each_epoch_once_and_pad_less():
     from datasets import Dataset
 
-    from specdec.training.loop import micro_batch
+    from specdec.training.step import micro_batch
 
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(2, 60, (64,), generator=g).tolist()

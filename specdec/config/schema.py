@@ -130,6 +130,14 @@ class RegenerateConfig:
     batch_size: int = _opt(16, "Prompts generated together.", ge=1)
     seed: int = _opt(0, "Sampling seed.")
     shard_size: int = _opt(64, "Rows per saved shard; an interrupted run resumes per shard.", ge=1)
+    workers: int = _opt(
+        1, "Processes generating at once, each loading the target and taking a share of the "
+        "prompts and of the CPU threads.", ge=1,
+    )  # fmt: skip
+    backend: Literal["transformers", "vllm"] = _opt(
+        "transformers", "transformers: the target's generate; vllm: vLLM's engine (when it is "
+        "installed; one process, it batches by itself).",
+    )  # fmt: skip
 
 
 @dataclass
@@ -160,6 +168,11 @@ class DataConfig:
     regenerate: RegenerateConfig = _opt(RegenerateConfig(), "Target regeneration of answers.")
     dataset_dir: str | None = _opt(None, "Where regenerated data lives; null: <run dir>/data.")
     num_proc: int = _opt(1, "Processes used for tokenization.", ge=1)
+    heldout_rows: int = _opt(
+        32, "Target-written training rows kept out of training; the drafter is evaluated on "
+        "them every log interval (heldout/acc@i: the decoder's acceptance at T=0 on text like "
+        "the target's). At most a quarter of the target-written rows; 0 turns it off.", ge=0,
+    )  # fmt: skip
     teacher: Literal["online", "cache"] = _opt(
         "online", "online: the target runs on every training batch; cache: training reads "
         "the target's logits and hidden states from data.cache (built by `specdec data "

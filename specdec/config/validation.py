@@ -193,6 +193,18 @@ def _cross_checks(r: Recipe) -> None:
     _check_tree(r.eval)
     if r.loss.mix and sum(r.loss.mix.values()) <= 0:
         raise Invalid("loss.mix", "expected weights with a positive sum")
+    _check_regenerate(r.data.regenerate)
+
+
+def _check_regenerate(gen) -> None:
+    from specdec.data import vllm_backend
+
+    if gen.backend == "vllm" and not vllm_backend.available():
+        message = f"'vllm' is not installed here; {vllm_backend.INSTALL_HINT}"
+        raise Invalid("data.regenerate.backend", message)
+    if gen.backend == "vllm" and gen.workers > 1:
+        message = "vLLM batches by itself: expected 1 with data.regenerate.backend 'vllm'"
+        raise Invalid("data.regenerate.workers", message, also=["data.regenerate.backend"])
 
 
 def _check_tree(ev) -> None:

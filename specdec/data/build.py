@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from datasets import Dataset
@@ -105,12 +106,24 @@ def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
         seed=gen.seed,
         shard_size=gen.shard_size,
         max_prompt_length=recipe.data.max_length,
+        workers=gen.workers,
+        backend=gen.backend,
+        load=partial(load_target_model, recipe.target),
         progress=progress,
     )
     dataset, sft = load_training_data(recipe, target.tokenizer, rows)
     loss_tokens = sum(sum(m) for m in dataset["loss_mask"])
     kept = len(rows) - len(prompts)
     return DataReport(str(out), len(rows), removed, asdict(stats), sft.as_dict(), loss_tokens, kept)
+
+
+def load_target_model(spec) -> tuple:
+    """``(model, tokenizer)`` of the target ``spec`` describes (a regeneration worker's
+    ``load``)."""
+    from specdec.target import FrozenTarget
+
+    target = FrozenTarget.from_config(spec)
+    return target.model, target.tokenizer
 
 
 def dataset_dir(recipe: Recipe) -> Path:
@@ -152,19 +165,28 @@ def load_training_data(
     """The training conversations, tokenized with assistant-only loss masks: the target's
     regenerated answers and the rows of ``responses: keep`` sources, or with regeneration off
     every row's own responses. ``rows``: the recipe's :func:`training_prompts`, when the
-    caller has them already."""
+    caller has them already. Besides ``input_ids`` and ``loss_mask``, each row's ``source``
+    (its prompt source's name) and ``target_written`` (its answer is the target's own)."""
     rows = training_prompts(recipe)[0] if rows is None else rows
     source = ", ".join(p.source for p in recipe.data.prompts)
+    written = [False] * len(rows)
     if recipe.data.regenerate.enabled and not all(r["keep"] for r in rows):
         source = f"{dataset_dir(recipe)} + kept responses of {source}"
-        rows = list(load_regenerated(dataset_dir(recipe))) + [r for r in rows if r["keep"]]
+        regenerated = list(load_regenerated(dataset_dir(recipe)))
+        kept = [r for r in rows if r["keep"]]
+        rows, written = regenerated + kept, [True] * len(regenerated) + [False] * len(kept)
+    tagged = [
+        {**row, "source": row["id"].split(":", 1)[0], "target_written": by_target}
+        for row, by_target in zip(rows, written, strict=True)
+    ]
     return build_sft_dataset(
-        rows,
+        tagged,
         tokenizer,
         recipe.data.max_length,
         recipe.data.overflow,
         recipe.data.require_assistant,
         source=str(source),
+        carry=("source", "target_written"),
     )
 
 
@@ -225,7 +247,8 @@ def describe_report(report: DataReport) -> str:
         f"{report.num_kept} keep their own responses); regenerated {regen['num_done']} now, "
         f"{regen['num_skipped']} reused from disk; "
         f"{regen['new_tokens']} new tokens in {regen['seconds']:.1f} s "
-        f"({regen['tokens_per_second']:.1f} tokens/s); {regen['truncated']} hit max_new_tokens\n"
+        f"({regen['tokens_per_second']:.1f} tokens/s, {regen.get('workers', 1)} process(es)); "
+        f"{regen['truncated']} hit max_new_tokens\n"
         f"training rows {report.sft['kept']} (truncated {report.sft['truncated']}, dropped "
         f"{report.sft['dropped']}), {report.loss_tokens} assistant tokens -> {report.dataset_dir}"
     )

@@ -300,6 +300,7 @@ def build_sft_dataset(
     *,
     source: str = "data",
     fmt: str = "auto",
+    carry: tuple[str, ...] = (),
 ) -> tuple[Dataset, SFTStats]:
     """Tokenize chat rows into a dataset of ``input_ids`` and ``loss_mask`` columns.
 
@@ -311,6 +312,8 @@ def build_sft_dataset(
         require_assistant: a row without an assistant turn is an error instead of skipped.
         source: names the data in messages, e.g. the file name.
         fmt: row format, see :data:`FORMATS`.
+        carry: fields of each row copied into columns of the same name (e.g. where a row
+            came from).
 
     Returns:
         The dataset and the per-row counts (also logged).
@@ -323,7 +326,7 @@ def build_sft_dataset(
     if max_length < 1:
         raise ConfigError(f"max_length must be positive, got {max_length}")
     stats = SFTStats()
-    columns: dict[str, list] = {"input_ids": [], "loss_mask": []}
+    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], **{c: [] for c in carry}}
     for i, row in enumerate(rows, start=1):
         where = f"{source} row {i}"
         messages = to_messages(row, fmt, where=where)
@@ -341,6 +344,8 @@ def build_sft_dataset(
         stats.kept += 1
         columns["input_ids"].append(fitted["input_ids"])
         columns["loss_mask"].append(fitted["loss_mask"])
+        for c in carry:
+            columns[c].append(row[c])
     summary = ", ".join(f"{k} {v}" for k, v in stats.as_dict().items())
     if stats.kept == 0:
         raise DataError(f"{source}: no usable rows ({summary})")

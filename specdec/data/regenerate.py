@@ -13,6 +13,11 @@ Reproducibility: greedy rows do not depend on batching, up to floating-point tie
 draw every token from a generator seeded by ``(seed, prompt id)`` alone, so a prompt gets the
 same random stream whatever batch it lands in (batch size, sorting, resuming); its tokens can
 differ only where padding moves a logit by a rounding error across a sampling boundary.
+
+Backends: the target's ``generate`` (:mod:`specdec.data.transformers_backend`) or vLLM
+(:mod:`specdec.data.vllm_backend`). With ``workers > 1`` several processes generate at once,
+each its share of the prompts (:mod:`specdec.data.parallel`). A lock on ``out_dir`` keeps a
+second run from writing there at the same time.
 """
 
 from __future__ import annotations
@@ -21,18 +26,17 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from specdec.data.shards import FORMAT, MANIFEST, ShardWriter, load_regenerated, resume
+from specdec.data.shards import FORMAT, MANIFEST, ShardWriter, load_regenerated, locked, resume
 from specdec.data.shards import write_atomic as _write_atomic
-from specdec.decoding.sampling import SamplingParams, probabilities
+from specdec.data.transformers_backend import BatchGenerator
+from specdec.decoding.sampling import SamplingParams
 from specdec.errors import DataError, ModelError
 from specdec.target import eos_token_ids
 
@@ -55,6 +59,7 @@ class RegenerateStats:
         tokens_per_second: ``new_tokens / seconds``.
         num_shards: shards in ``out_dir`` after this call.
         truncated: rows of this call that hit ``max_new_tokens`` without EOS.
+        workers: processes that generated.
     """
 
     num_prompts: int
@@ -66,6 +71,7 @@ class RegenerateStats:
     tokens_per_second: float
     num_shards: int
     truncated: int
+    workers: int = 1
 
 
 @dataclass
@@ -93,6 +99,9 @@ def regenerate(
     max_prompt_length: int = 1024,
     max_batch_tokens: int | None = None,
     sort_by_length: bool = True,
+    workers: int = 1,
+    load: Callable[[], tuple] | None = None,
+    backend: str = "transformers",
     progress: bool = True,
 ) -> RegenerateStats:
     """Let ``model`` answer every prompt and write the conversations to ``out_dir``.
@@ -116,16 +125,29 @@ def regenerate(
             batch, so batches of short prompts can be larger than those of long ones.
         sort_by_length: batch prompts of similar length together (less padding); turn off
             only to measure what it saves.
+        workers: generate in this many processes, each taking every ``workers``-th prompt of
+            the length-sorted list and the matching share of the CPU threads
+            (:mod:`specdec.data.parallel`); 1 generates here with ``model``.
+        load: with ``workers > 1``: a picklable callable returning ``(model, tokenizer)``,
+            the same model as ``model``, called once in each worker.
+        backend: ``"transformers"`` (``model.generate``) or ``"vllm"`` (vLLM loads the
+            model from ``model``'s ``name_or_path``; :mod:`specdec.data.vllm_backend`).
         progress: show a tqdm bar.
 
     Returns:
         What this call did; the rows themselves are read back with :func:`load_regenerated`.
     """
-    if max_new_tokens < 1 or batch_size < 1 or shard_size < 1:
+    if min(max_new_tokens, batch_size, shard_size, workers) < 1:
         raise DataError(
-            f"max_new_tokens, batch_size and shard_size must be >= 1, got "
-            f"{max_new_tokens}, {batch_size}, {shard_size}"
+            f"max_new_tokens, batch_size, shard_size and workers must be >= 1, got "
+            f"{max_new_tokens}, {batch_size}, {shard_size}, {workers}"
         )
+    if workers > 1 and load is None:
+        raise DataError("workers > 1 needs `load`, which loads the model in each worker")
+    if backend not in ("transformers", "vllm"):
+        raise DataError(f"backend: expected 'transformers' or 'vllm', got {backend!r}")
+    if backend == "vllm" and workers > 1:
+        raise DataError("backend 'vllm' batches by itself: use workers=1")
     rows = _checked_prompts(prompts)
     kept, too_long = _tokenized(tokenizer, rows, max_prompt_length)
     if too_long:
@@ -147,29 +169,42 @@ def regenerate(
         "eos_token_ids": eos_ids,
         "prompts": _fingerprint(kept),
     }
+    if backend != "transformers":  # its kernels may break ties differently: not mixed
+        settings["backend"] = backend
     out = Path(out_dir)
-    on_disk = resume(out, settings)
-    todo = [p for p in kept if p.id not in on_disk]
-    if sort_by_length:
-        todo.sort(key=lambda p: (-len(p.token_ids), p.index))
-    batches = _batches(todo, batch_size, max_batch_tokens, max_new_tokens)
+    with locked(out):
+        on_disk = resume(out, settings)
+        todo = [p for p in kept if p.id not in on_disk]
+        if sort_by_length:
+            todo.sort(key=lambda p: (-len(p.token_ids), p.index))
+        manifest = {
+            "format": FORMAT,
+            "settings": settings,
+            "model": {
+                "name_or_path": settings["model"],
+                "model_type": getattr(model.config, "model_type", None),
+                "dtype": str(next(model.parameters()).dtype),
+            },
+            "counts": {"num_prompts": len(rows), "num_too_long": len(too_long)},
+        }
+        # _write_atomic is looked up per call, so a write that dies mid-run can stand in for it
+        writer = ShardWriter(out, shard_size, manifest, on_disk, write_file=_write_atomic)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        job = Job(
+            todo, params, seed, eos_ids, max_new_tokens, batch_size, max_batch_tokens, shard_size
+        )
+        job.backend, job.model_path, job.dtype = backend, settings["model"], dtype
+        bar = tqdm(total=len(todo), unit="prompt", desc="regenerate", disable=not progress)
+        with bar:
+            if workers == 1:
+                new_tokens, truncated, seconds = _generate_here(model, tokenizer, job, writer, bar)
+            else:
+                from specdec.data.parallel import generate_in_workers
 
-    manifest = {
-        "format": FORMAT,
-        "settings": settings,
-        "model": {
-            "name_or_path": settings["model"],
-            "model_type": getattr(model.config, "model_type", None),
-            "dtype": str(next(model.parameters()).dtype),
-        },
-        "counts": {"num_prompts": len(rows), "num_too_long": len(too_long)},
-    }
-    # _write_atomic is looked up per call, so a write that dies mid-run can stand in for it
-    writer = ShardWriter(out, shard_size, manifest, on_disk, write_file=_write_atomic)
-    generate = _BatchGenerator(model, params, seed, eos_ids, tokenizer.pad_token_id, max_new_tokens)
-    bar = tqdm(total=len(todo), unit="prompt", desc="regenerate", disable=not progress)
-    with bar:
-        new_tokens, truncated, seconds = _generate_all(batches, generate, tokenizer, writer, bar)
+                writer.write_manifest()
+                done = generate_in_workers(load, job, workers, writer, settings["model"], bar)
+                new_tokens, truncated, seconds = done
+                writer.recount()
 
     stats = RegenerateStats(
         num_prompts=len(rows),
@@ -181,102 +216,86 @@ def regenerate(
         tokens_per_second=new_tokens / seconds if seconds > 0 else 0.0,
         num_shards=writer.num_shards,
         truncated=truncated,
+        workers=workers,
     )
     logger.info(
-        "regenerated %d prompts into %s (%d already there, %d too long, %d truncated): "
-        "%d new tokens in %.1f s, %.1f tokens/s",
-        stats.num_done, out, stats.num_skipped, stats.num_too_long, stats.truncated,
+        "regenerated %d prompts into %s with %d process(es) (%d already there, %d too long, "
+        "%d truncated): %d new tokens in %.1f s, %.1f tokens/s",
+        stats.num_done, out, workers, stats.num_skipped, stats.num_too_long, stats.truncated,
         stats.new_tokens, stats.seconds, stats.tokens_per_second,
     )  # fmt: skip
     return stats
 
 
-def _generate_all(batches, generate, tokenizer, writer, bar) -> tuple[int, int, float]:
-    """Runs every batch into ``writer``; returns new tokens, truncated rows and seconds."""
-    new_tokens = truncated = 0
+@dataclass
+class Job:
+    """What every generating process needs: the prompts left to do and how to generate."""
+
+    todo: list[_Prompt]
+    params: SamplingParams
+    seed: int
+    eos_ids: list[int]
+    max_new_tokens: int
+    batch_size: int
+    max_batch_tokens: int | None
+    shard_size: int
+    backend: str = "transformers"
+    model_path: str = ""
+    dtype: str = "float32"
+
+    def batches(self, prompts: list[_Prompt]) -> list[list[_Prompt]]:
+        return _batches(prompts, self.batch_size, self.max_batch_tokens, self.max_new_tokens)
+
+    def generator(self, model, tokenizer):
+        """Called with a batch of prompts: per prompt, the new ids (EOS kept) and whether EOS
+        ended them."""
+        if self.backend == "vllm":
+            from specdec.data.vllm_backend import VLLMGenerator
+
+            settings = (self.params, self.seed, self.eos_ids, self.max_new_tokens)
+            return VLLMGenerator(self.model_path, self.dtype, *settings)
+        pad, most = tokenizer.pad_token_id, self.max_new_tokens
+        return BatchGenerator(model, self.params, self.seed, self.eos_ids, pad, most)
+
+
+def _generate_here(model, tokenizer, job: Job, writer: ShardWriter, bar) -> tuple[int, int, float]:
+    """Generates every prompt of ``job`` in this process; returns new tokens, truncated rows
+    and seconds."""
+    start = time.perf_counter()
+    total = 0
+
+    def report(prompts: int, tokens: int) -> None:
+        nonlocal total
+        total += tokens
+        bar.update(prompts)
+        bar.set_postfix(tok_s=f"{total / (time.perf_counter() - start):.1f}")
+
     writer.write_manifest()
+    batches = job.batches(job.todo)
+    return generate_batches(batches, job.generator(model, tokenizer), tokenizer, writer, report)
+
+
+def generate_batches(batches, generate, tokenizer, writer, report) -> tuple[int, int, float]:
+    """Runs every batch into ``writer``, calling ``report(prompts, new_tokens)`` after each;
+    returns new tokens, truncated rows and seconds. What is generated is flushed to disk
+    whatever stops the loop (Ctrl-C, out of memory, ``report`` raising)."""
+    new_tokens = truncated = 0
     start = time.perf_counter()
     try:
         for batch in batches:
+            tokens = 0
             for prompt, (ids, finished) in zip(batch, generate(batch), strict=True):
-                new_tokens += len(ids)
+                tokens += len(ids)
                 truncated += not finished
                 writer.add(_row(tokenizer, prompt, ids, finished))
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
+            new_tokens += tokens
+            report(len(batch), tokens)
     except BaseException:
-        # keep what is already generated (Ctrl-C, out of memory); the rerun continues from there
+        # keep what is already generated; the rerun continues from there
         writer.flush()
         raise
     writer.flush()
     return new_tokens, truncated, time.perf_counter() - start
-
-
-class _PerPromptSampler(LogitsProcessor):
-    """Draws each row's token from its own generator and leaves only that token to argmax.
-
-    transformers' sampling uses one random stream for the whole batch, so a prompt's response
-    would depend on its neighbours; drawing here with greedy ``generate`` keeps it per prompt.
-    """
-
-    def __init__(self, params: SamplingParams, generators: list[torch.Generator]):
-        self.params = params
-        self.generators = generators
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = probabilities(scores, self.params)  # [B, V]
-        pairs = zip(probs, self.generators, strict=True)
-        drawn = [torch.multinomial(p, 1, generator=g) for p, g in pairs]
-        chosen = torch.cat(drawn)[:, None]  # [B, 1]
-        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
-
-
-class _BatchGenerator:
-    """Left-pads a batch of prompts, calls ``generate`` and strips padding and EOS."""
-
-    def __init__(self, model, params: SamplingParams, seed: int, eos_ids, pad_id, max_new: int):
-        self.model = model
-        self.params = params
-        self.seed = seed
-        self.eos_ids = set(eos_ids)
-        # padding is masked on the way in and cut (after the first EOS) on the way out
-        self.pad_id = eos_ids[0] if pad_id is None else pad_id
-        # greedy decoding always; sampling, when asked for, happens in _PerPromptSampler
-        self.config = GenerationConfig(
-            max_new_tokens=max_new,
-            min_new_tokens=0,
-            do_sample=False,
-            num_beams=1,
-            repetition_penalty=1.0,
-            eos_token_id=eos_ids,
-            pad_token_id=self.pad_id,
-        )
-
-    def __call__(self, batch: list[_Prompt]) -> list[tuple[list[int], bool]]:
-        """Returns, per prompt, the new token ids (EOS kept) and whether EOS ended them."""
-        device = next(self.model.parameters()).device
-        width = max(len(p.token_ids) for p in batch)
-        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, p in enumerate(batch):
-            input_ids[i, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
-            attention_mask[i, width - len(p.token_ids) :] = 1
-        processors = LogitsProcessorList()
-        if not self.params.greedy:
-            gens = [_generator(self.seed, p.id, device) for p in batch]
-            processors.append(_PerPromptSampler(self.params, gens))
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=self.config,
-                logits_processor=processors,
-            )
-        results = []
-        for row in out[:, width:].tolist():
-            end = next((t for t, tok in enumerate(row) if tok in self.eos_ids), None)
-            results.append((row, False) if end is None else (row[: end + 1], True))
-        return results
 
 
 def _checked_prompts(prompts: Sequence[dict]) -> list[dict]:
@@ -322,11 +341,6 @@ def _fingerprint(prompts: list[_Prompt]) -> str:
     for p in prompts:
         digest.update(json.dumps([p.id, p.category, p.token_ids]).encode())
     return digest.hexdigest()
-
-
-def _generator(seed: int, prompt_id: str, device: torch.device) -> torch.Generator:
-    key = hashlib.sha256(f"{seed}\0{prompt_id}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(key[:8], "little") >> 1)
 
 
 def _batches(todo: list[_Prompt], size: int, budget: int | None, max_new: int) -> list:

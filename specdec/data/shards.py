@@ -5,6 +5,10 @@ Layout of ``out_dir``::
     manifest.json        settings, model identity and counts (rewritten atomically)
     shard-00000.jsonl    rows in processing order (longest prompt first), each written
     shard-00001.jsonl    atomically (temp file + os.replace), so a shard on disk is complete
+    .lock                held (flock) by the one run writing here
+
+Several worker processes may write shards into one ``out_dir`` at once: each numbers its
+shards on its own stride, and only the process that holds the lock writes the manifest.
 
 :func:`resume` checks an existing ``out_dir`` against the settings of a new run and returns the
 rows already there; :func:`load_regenerated` reads all rows back, in prompt order.
@@ -12,10 +16,12 @@ rows already there; :func:`load_regenerated` reads all rows back, in prompt orde
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -110,6 +116,27 @@ def _read_shard(path: Path) -> list[dict]:
             raise DataError(f"{path} is not valid JSONL: {err}") from None
 
 
+@contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Holds ``out/.lock`` for the duration, so two runs never write one ``out_dir`` at once.
+
+    Raises:
+        DataError: another process holds it.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / ".lock").open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataError(
+                f"{out} is being written by another process; wait for it or use another directory"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through ``<name>.tmp``, fsynced before the ``os.replace``,
     so a killed run leaves the old file or the whole new one (:func:`resume` clears ``*.tmp``)."""
@@ -127,18 +154,24 @@ class ShardWriter:
     Args:
         out: the regeneration directory.
         shard_size: rows per shard.
-        manifest: the manifest to keep up to date; its ``counts`` are rewritten.
+        manifest: the manifest to keep up to date; its ``counts`` are rewritten. None in a
+            worker process: the process holding the lock writes it.
         on_disk: ``{id: finished}`` of the rows already in ``out``.
         write_file: writes one file atomically; every shard and the manifest go through it.
+        first_index: number of the first shard written; default: after those on disk.
+        stride: step between this writer's shard numbers (the number of writers sharing
+            ``out``, each starting at its own ``first_index``).
     """
 
     def __init__(
         self,
         out: Path,
         shard_size: int,
-        manifest: dict,
+        manifest: dict | None,
         on_disk: dict[str, bool],
         write_file: Callable[[Path, str], None] = write_atomic,
+        first_index: int | None = None,
+        stride: int = 1,
     ):
         self.out = out
         self.write_file = write_file
@@ -146,7 +179,9 @@ class ShardWriter:
         self.manifest = manifest
         self.buffer: list[dict] = []
         self.num_shards = len(_shard_paths(out))
-        self.next_index = 1 + max((_shard_index(p) for p in _shard_paths(out)), default=-1)
+        after = 1 + max((_shard_index(p) for p in _shard_paths(out)), default=-1)
+        self.next_index = after if first_index is None else first_index
+        self.stride = stride
         self.num_rows = len(on_disk)
         self.num_finished = sum(on_disk.values())
 
@@ -165,13 +200,24 @@ class ShardWriter:
     def _write(self, rows: list[dict]) -> None:
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         self.write_file(self.out / f"shard-{self.next_index:05d}.jsonl", text)
-        self.next_index += 1
+        self.next_index += self.stride
         self.num_shards += 1
         self.num_rows += len(rows)
         self.num_finished += sum(r["finished"] for r in rows)
         self.write_manifest()
 
+    def recount(self) -> None:
+        """Counts the rows of every shard on disk (other writers' included), then writes the
+        manifest."""
+        rows = [r for path in _shard_paths(self.out) for r in _read_shard(path)]
+        self.num_shards = len(_shard_paths(self.out))
+        self.num_rows = len(rows)
+        self.num_finished = sum(r["finished"] for r in rows)
+        self.write_manifest()
+
     def write_manifest(self) -> None:
+        if self.manifest is None:
+            return
         counts = self.manifest["counts"]
         expected = counts["num_prompts"] - counts["num_too_long"]
         counts.update(

@@ -30,9 +30,10 @@ from transformers import get_scheduler
 from specdec.config import Recipe, save_recipe
 from specdec.errors import ConfigError
 from specdec.files import replace_dir
-from specdec.losses import acceptance_rate, distill_loss, masked_mean, token_agreement
 from specdec.training.checkpoint import TrainState, check_same_recipe
 from specdec.training.evaluate import checkpoint_table, score_checkpoint
+from specdec.training.heldout import SourceAccuracy, heldout_metrics, split_rows
+from specdec.training.step import drafter_loss, micro_batch
 from specdec.training.trackers import MetricsLog
 
 logger = logging.getLogger(__name__)
@@ -54,50 +55,6 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     )
 
 
-def micro_batch(
-    dataset,
-    index: int,
-    batch_size: int,
-    seed: int,
-    pad_id: int,
-    lengths: torch.Tensor | None = None,
-    group: int = 1,
-    cache=None,
-) -> dict:
-    """Global micro-batch ``index`` of a seeded per-epoch permutation (last partial dropped).
-
-    With ``group`` > 1 (and the rows' ``lengths``), each window of ``group`` micro-batches of
-    the permutation is sorted by length before it is cut, and its micro-batches are taken in a
-    seeded shuffled order: rows of a batch have similar lengths, so little of it is padding.
-    With a teacher ``cache`` the batch also holds the rows' cached teacher.
-    """
-    per_epoch = len(dataset) // batch_size
-    epoch, j = divmod(index, per_epoch)
-    generator = torch.Generator().manual_seed(seed + epoch)
-    order = torch.randperm(len(dataset), generator=generator)
-    if group > 1 and lengths is not None:
-        size = group * batch_size
-        w, i = divmod(j, group)
-        window = order[w * size : (w + 1) * size]
-        window = window[torch.argsort(lengths[window], stable=True)]
-        count = len(window) // batch_size
-        pick = torch.randperm(count, generator=torch.Generator().manual_seed(seed + epoch + w))
-        j, order = int(pick[i]), window
-    indices = order[j * batch_size : (j + 1) * batch_size].tolist()
-    rows = dataset[indices]
-    width = max(len(ids) for ids in rows["input_ids"])
-    batch = {"input_ids": [], "attention_mask": [], "loss_mask": []}
-    for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True):
-        pad = width - len(ids)
-        batch["input_ids"].append(ids + [pad_id] * pad)
-        batch["attention_mask"].append([1] * len(ids) + [0] * pad)
-        batch["loss_mask"].append(mask + [0] * pad)
-    batch = {key: torch.tensor(value) for key, value in batch.items()}
-    if cache is not None:
-        batch |= cache.batch(indices, width, batch["input_ids"])
-    return batch
-
-
 @dataclass
 class Run:
     """Everything a training run holds on to."""
@@ -114,6 +71,9 @@ class Run:
     data_report: object = None
     lengths: torch.Tensor | None = None  # tokens per training row
     cache: object = None  # the teacher cache (data.teacher: cache)
+    train_rows: torch.Tensor | None = None  # dataset rows trained on
+    heldout_rows: torch.Tensor | None = None  # target-written rows evaluated, never trained on
+    by_source: SourceAccuracy | None = None  # first-step agreement per data source
 
 
 def setup(recipe: Recipe) -> Run:
@@ -151,10 +111,11 @@ def setup(recipe: Recipe) -> Run:
     report = build_data(recipe, target) if accelerator.is_main_process else None
     accelerator.wait_for_everyone()  # one process writes the data, all read it
     dataset, _ = load_training_data(recipe, target.tokenizer)
+    train_rows, heldout_rows = split_rows(dataset, recipe.data.heldout_rows, recipe.run.seed)
     per_step = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
-    if len(dataset) < per_step:
+    if len(train_rows) < per_step:
         raise ConfigError(
-            f"train.batch_size: {len(dataset)} training rows cannot fill one step of {per_step}"
+            f"train.batch_size: {len(train_rows)} training rows cannot fill one step of {per_step}"
         )
     drafter = drafters.for_recipe(recipe.drafter, target, dataset)
     cache = None
@@ -195,6 +156,9 @@ def setup(recipe: Recipe) -> Run:
         report,
         lengths,
         cache,
+        train_rows,
+        heldout_rows,
+        SourceAccuracy(dataset["source"]),
     )
 
 
@@ -223,6 +187,8 @@ def train(recipe: Recipe) -> dict:
             }
             if grad_norm is not None:
                 metrics["train/grad_norm"] = float(grad_norm)
+            metrics |= run.by_source.metrics(accelerator)
+            metrics |= heldout_metrics(run, cfg.batch_size)
             log.write(state.step, metrics)
             bar.set_postfix(
                 loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/acc@1']:.2f}"
@@ -265,6 +231,7 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
                 run.lengths,
                 cfg.length_group,
                 run.cache,
+                run.train_rows,
             ).items()
         }
         for a in range(cfg.grad_accum)
@@ -309,80 +276,12 @@ def save_and_score(run: Run, log: MetricsLog) -> None:
 def _micro_step(run: Run, batch: dict, num_tokens: torch.Tensor) -> dict:
     """Forward target and drafter on one micro-batch, backpropagate its share of the loss."""
     n = run.accelerator.num_processes
-    loss, metrics = drafter_loss(
+    loss, metrics, (agree, count) = drafter_loss(
         run.drafter, run.model, run.target, batch, run.recipe.loss, num_tokens, n
     )
+    run.by_source.add(batch["rows"], agree, count)
     run.accelerator.backward(loss)
     return metrics
-
-
-def drafter_loss(
-    drafter, model, target, batch: dict, loss_cfg, num_tokens: torch.Tensor, processes: int = 1
-) -> tuple[torch.Tensor, dict]:
-    """The loss of one micro-batch and its metrics: the target's forward (logits and the layers
-    the drafter reads), the drafter's S steps, a loss per step weighted by ``step_weights``.
-
-    Args:
-        drafter: the drafter (teacher, masks, step weights).
-        model: its trainable module (possibly wrapped by DDP).
-        target: the frozen target.
-        batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]``.
-        loss_cfg: the recipe's ``loss`` section.
-        num_tokens: ``[S]`` each step's global count of trained positions divided by the
-            process count: every step's loss is its sum over that count.
-        processes: the process count (metrics are shares of a sum over processes).
-
-    Returns:
-        The scalar loss and per-token metric shares (summed over micro-batches and processes,
-        they are the step's global means).
-    """
-    layers = drafter.required_target_layers
-    ids, attention = batch["input_ids"], batch["attention_mask"]
-    with torch.no_grad():
-        if "teacher_log_probs" in batch:  # read from the teacher cache
-            log_p, best = batch["teacher_log_probs"], batch["teacher_best"]
-            teacher = drafter.shifted_teacher(log_p, best, batch["loss_mask"])  # [S, B, T, D]
-            features = list(batch["features"]) if layers else []
-        else:  # the target's logits only where a step's teacher reads them
-            wanted = _shift_left(batch["loss_mask"]).bool()
-            out = target.forward(ids, attention, hidden_layers=layers, logits_at=wanted)
-            target_logits = out.logits.new_zeros(*ids.shape, out.logits.shape[-1])
-            target_logits[wanted] = out.logits
-            teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
-            features = [out.hidden_states[i] for i in layers]
-    logits = model(ids, attention, features)  # [S, B, T, D]
-    weights = drafter.step_weights()
-    loss, metrics = 0.0, {}
-    for s in range(logits.shape[0]):
-        draft, mask = logits[s].float(), teacher.mask[s]
-        step_loss, parts = distill_loss(
-            draft,
-            teacher.log_probs[s],
-            mask,
-            mix=loss_cfg.mix or {loss_cfg.name: 1.0},
-            temperature=loss_cfg.temperature,
-            beta=loss_cfg.beta,
-            teacher_top_k=loss_cfg.teacher_top_k,
-            num_tokens=num_tokens[s],
-        )
-        loss = loss + float(weights[s]) * step_loss
-        share = mask.sum() / num_tokens[s] / processes
-        at = "" if s == 0 else f"@{s + 1}"
-        metrics[f"train/acc@{s + 1}"] = token_agreement(draft, teacher.tokens[s], mask) * share
-        accept = acceptance_rate(draft, teacher.log_probs[s], mask)
-        metrics[f"train/expected_accept{at}"] = accept * share
-        if s == 0:
-            metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
-            outside = (teacher.tokens[0] < 0).float()
-            metrics["train/out_of_vocab"] = masked_mean(outside, mask) * share
-    return loss, {"train/loss": loss.detach() / processes, **metrics}
-
-
-def _shift_left(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: position t is set where token t + 1 is (the teacher rows of every step)."""
-    out = torch.zeros_like(mask)
-    out[:, :-1] = mask[:, 1:]
-    return out
 
 
 def _save(accelerator: Accelerator, state_dir: Path) -> None:

@@ -1,0 +1,139 @@
+"""One micro-batch: rows of the training data padded into tensors, and the drafter's loss on them.
+
+:func:`micro_batch` picks the rows of global micro-batch ``index`` (a seeded permutation per
+epoch, optionally grouped by length) and :func:`collate` pads them; :func:`drafter_loss` runs
+the target (or reads its cached teacher) and the drafter's S steps and returns the loss with
+its metrics. The training loop, the held-out evaluation and the benchmarks share them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.losses import acceptance_rate, distill_loss, masked_mean, token_agreement
+
+
+def micro_batch(
+    dataset,
+    index: int,
+    batch_size: int,
+    seed: int,
+    pad_id: int,
+    lengths: torch.Tensor | None = None,
+    group: int = 1,
+    cache=None,
+    rows: torch.Tensor | None = None,
+) -> dict:
+    """Global micro-batch ``index`` of a seeded per-epoch permutation of the training ``rows``
+    (default: all of ``dataset``; the last partial batch dropped), padded by :func:`collate`.
+
+    With ``group`` > 1 (and the rows' ``lengths``), each window of ``group`` micro-batches of
+    the permutation is sorted by length before it is cut, and its micro-batches are taken in a
+    seeded shuffled order: rows of a batch have similar lengths, so little of it is padding.
+    With a teacher ``cache`` the batch also holds the rows' cached teacher.
+    """
+    rows = torch.arange(len(dataset)) if rows is None else rows
+    per_epoch = len(rows) // batch_size
+    epoch, j = divmod(index, per_epoch)
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = rows[torch.randperm(len(rows), generator=generator)]
+    if group > 1 and lengths is not None:
+        size = group * batch_size
+        w, i = divmod(j, group)
+        window = order[w * size : (w + 1) * size]
+        window = window[torch.argsort(lengths[window], stable=True)]
+        count = len(window) // batch_size
+        pick = torch.randperm(count, generator=torch.Generator().manual_seed(seed + epoch + w))
+        j, order = int(pick[i]), window
+    return collate(dataset, order[j * batch_size : (j + 1) * batch_size].tolist(), pad_id, cache)
+
+
+def collate(dataset, indices: list[int], pad_id: int, cache=None) -> dict:
+    """Rows ``indices`` of ``dataset`` right-padded to the longest: ``input_ids``,
+    ``attention_mask``, ``loss_mask`` ``[B, T]`` and ``rows`` ``[B]`` (the indices); with a
+    teacher ``cache`` also the rows' cached teacher."""
+    rows = dataset[indices]
+    width = max(len(ids) for ids in rows["input_ids"])
+    batch = {"input_ids": [], "attention_mask": [], "loss_mask": []}
+    for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True):
+        pad = width - len(ids)
+        batch["input_ids"].append(ids + [pad_id] * pad)
+        batch["attention_mask"].append([1] * len(ids) + [0] * pad)
+        batch["loss_mask"].append(mask + [0] * pad)
+    batch = {key: torch.tensor(value) for key, value in batch.items()}
+    batch["rows"] = torch.tensor(indices)
+    if cache is not None:
+        batch |= cache.batch(indices, width, batch["input_ids"])
+    return batch
+
+
+def drafter_loss(
+    drafter, model, target, batch: dict, loss_cfg, num_tokens: torch.Tensor, processes: int = 1
+) -> tuple[torch.Tensor, dict, tuple[torch.Tensor, torch.Tensor]]:
+    """The loss of one micro-batch and its metrics: the target's forward (logits and the layers
+    the drafter reads), the drafter's S steps, a loss per step weighted by ``step_weights``.
+
+    Args:
+        drafter: the drafter (teacher, masks, step weights).
+        model: its trainable module (possibly wrapped by DDP).
+        target: the frozen target.
+        batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]``.
+        loss_cfg: the recipe's ``loss`` section.
+        num_tokens: ``[S]`` each step's global count of trained positions divided by the
+            process count: every step's loss is its sum over that count.
+        processes: the process count (metrics are shares of a sum over processes).
+
+    Returns:
+        The scalar loss, per-token metric shares (summed over micro-batches and processes,
+        they are the step's global means), and per row ``[B]`` of the first step: the
+        positions where the draft's argmax is the target's and the positions trained.
+    """
+    layers = drafter.required_target_layers
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        if "teacher_log_probs" in batch:  # read from the teacher cache
+            log_p, best = batch["teacher_log_probs"], batch["teacher_best"]
+            teacher = drafter.shifted_teacher(log_p, best, batch["loss_mask"])  # [S, B, T, D]
+            features = list(batch["features"]) if layers else []
+        else:  # the target's logits only where a step's teacher reads them
+            wanted = _shift_left(batch["loss_mask"]).bool()
+            out = target.forward(ids, attention, hidden_layers=layers, logits_at=wanted)
+            target_logits = out.logits.new_zeros(*ids.shape, out.logits.shape[-1])
+            target_logits[wanted] = out.logits
+            teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
+            features = [out.hidden_states[i] for i in layers]
+    logits = model(ids, attention, features)  # [S, B, T, D]
+    weights = drafter.step_weights()
+    loss, metrics = 0.0, {}
+    for s in range(logits.shape[0]):
+        draft, mask = logits[s].float(), teacher.mask[s]
+        step_loss, parts = distill_loss(
+            draft,
+            teacher.log_probs[s],
+            mask,
+            mix=loss_cfg.mix or {loss_cfg.name: 1.0},
+            temperature=loss_cfg.temperature,
+            beta=loss_cfg.beta,
+            teacher_top_k=loss_cfg.teacher_top_k,
+            num_tokens=num_tokens[s],
+        )
+        loss = loss + float(weights[s]) * step_loss
+        share = mask.sum() / num_tokens[s] / processes
+        at = "" if s == 0 else f"@{s + 1}"
+        metrics[f"train/acc@{s + 1}"] = token_agreement(draft, teacher.tokens[s], mask) * share
+        accept = acceptance_rate(draft, teacher.log_probs[s], mask)
+        metrics[f"train/expected_accept{at}"] = accept * share
+        if s == 0:
+            metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
+            outside = (teacher.tokens[0] < 0).float()
+            metrics["train/out_of_vocab"] = masked_mean(outside, mask) * share
+            agree = (draft.argmax(dim=-1) == teacher.tokens[0]) & mask.bool()
+            rows = (agree.sum(dim=1), mask.sum(dim=1))  # per row: agreements, positions
+    return loss, {"train/loss": loss.detach() / processes, **metrics}, rows
+
+
+def _shift_left(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: position t is set where token t + 1 is (the teacher rows of every step)."""
+    out = torch.zeros_like(mask)
+    out[:, :-1] = mask[:, 1:]
+    return out

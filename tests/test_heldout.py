@@ -1,0 +1,128 @@
+"""Training metrics that predict decoding: held-out target-written rows never trained on and
+evaluated every log interval, and first-step accuracy per data source."""
+
+import json
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from test_training import RECIPE, overrides, setup  # noqa: F401  (setup is a fixture)
+
+from specdec.config import load_recipe
+from specdec.training.heldout import SourceAccuracy, split_rows
+from specdec.training.step import micro_batch
+
+
+class OneProcess:
+    device = torch.device("cpu")
+
+    @staticmethod
+    def reduce(tensor, op):
+        return tensor
+
+
+def rows(written: list[bool], sources: list[str] | None = None) -> Dataset:
+    n = len(written)
+    return Dataset.from_dict(
+        {
+            "input_ids": [[1, 2, 3 + i] for i in range(n)],
+            "loss_mask": [[0, 1, 1]] * n,
+            "source": sources or ["a"] * n,
+            "target_written": written,
+        }
+    )
+
+
+def test_heldout_rows_are_target_written_seeded_and_capped(caplog):
+    written = [i % 3 != 0 for i in range(40)]  # 26 target-written rows
+    data = rows(written)
+    train, heldout = split_rows(data, 5, seed=1)
+    assert len(heldout) == 5 and all(written[i] for i in heldout.tolist())
+    assert sorted(train.tolist() + heldout.tolist()) == list(range(40))
+    assert torch.equal(split_rows(data, 5, seed=1)[1], heldout)
+    assert not torch.equal(split_rows(data, 5, seed=2)[1], heldout)
+    with caplog.at_level(logging.WARNING):
+        train, heldout = split_rows(data, 30, seed=1)
+    assert len(heldout) == 26 // 4 and "30 asked, 6 held out" in caplog.text
+    assert len(split_rows(data, 0, seed=1)[1]) == 0
+    assert len(split_rows(rows([False] * 8), 4, seed=1)[1]) == 0  # nothing the target wrote
+
+
+def test_micro_batches_cover_the_training_rows_only():
+    data = rows([True] * 24)
+    train, heldout = split_rows(data, 6, seed=0)
+    for group in (1, 3):
+        lengths = torch.arange(24) % 5
+        seen = [
+            r
+            for i in range(len(train) // 3)  # one epoch of batches of 3
+            for r in micro_batch(data, i, 3, 0, 0, lengths, group, rows=train)["rows"].tolist()
+        ]
+        assert sorted(seen) == train.tolist()
+        second = micro_batch(data, len(train) // 3, 3, 0, 0, lengths, group, rows=train)
+        assert not set(second["rows"].tolist()) & set(heldout.tolist())
+
+
+def test_accuracy_per_source_by_hand():
+    acc = SourceAccuracy(["web", "code", "web", "math", "code"])
+    acc.add(torch.tensor([0, 1, 3]), torch.tensor([2, 1, 0]), torch.tensor([4, 5, 3]))
+    acc.add(torch.tensor([2, 4]), torch.tensor([3, 5]), torch.tensor([4, 5]))
+    got = acc.metrics(OneProcess())
+    assert got == pytest.approx(
+        {"train/acc@1/web": 5 / 8, "train/acc@1/code": 6 / 10, "train/acc@1/math": 0.0}
+    )
+    assert acc.metrics(OneProcess()) == {}  # a new window
+
+
+def expected_heldout(run_dir, recipe, heldout_rows):
+    """acc@1 and expected acceptance of the saved drafter on each held-out row alone, from
+    the target's and the drafter's full forwards."""
+    from specdec import drafters
+    from specdec.data.build import load_training_data
+    from specdec.target import FrozenTarget
+
+    target = FrozenTarget.from_config(recipe.target)
+    drafter = drafters.load(run_dir / "checkpoints" / "step-000004", target)
+    dataset, _ = load_training_data(recipe, target.tokenizer)
+    agree = overlap = positions = 0.0
+    for r in heldout_rows.tolist():
+        ids = torch.tensor([dataset[r]["input_ids"]])
+        mask = torch.tensor(dataset[r]["loss_mask"])
+        with torch.no_grad():
+            p = torch.softmax(target.model(ids).logits[0].double(), -1)  # [T, V]
+            q_draft = torch.softmax(drafter.module(ids, torch.ones_like(ids), [])[0, 0], -1)
+        q = torch.zeros_like(p)
+        ids_out = drafter.draft_ids if drafter.draft_ids is not None else torch.arange(p.shape[1])
+        q[:, ids_out] = q_draft.double()
+        for t in range(ids.shape[1] - 1):
+            if mask[t + 1]:  # token t + 1 is the assistant's: the draft at t is trained there
+                positions += 1
+                agree += float(q[t].argmax() == p[t].argmax())
+                overlap += float(torch.minimum(p[t], q[t]).sum())
+    return agree / positions, overlap / positions
+
+
+def test_heldout_metrics_every_log_interval(setup, tmp_path):  # noqa: F811
+    from specdec.data.build import load_training_data
+    from specdec.target import FrozenTarget
+    from specdec.training.loop import train
+
+    run_dir = tmp_path / "run"
+    extra = ("data.heldout_rows=2", "train.log_every=1", "train.save_every=4")
+    extra += ("drafter.init_from_target=true",)  # agreeing with the target often, not always
+    recipe = load_recipe(RECIPE, overrides(setup, run_dir, *extra))
+    train(recipe)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in lines if "heldout/acc@1" in m]
+    assert [m["step"] for m in logged] == [1, 2, 3, 4]
+    target = FrozenTarget.from_config(recipe.target)
+    dataset, _ = load_training_data(recipe, target.tokenizer)
+    _, heldout = split_rows(dataset, 2, recipe.run.seed)
+    acc, accept = expected_heldout(run_dir, recipe, heldout)
+    assert logged[-1]["heldout/acc@1"] == pytest.approx(acc, abs=1e-6)
+    assert logged[-1]["heldout/expected_accept"] == pytest.approx(accept, rel=1e-4)
+    assert 0 < acc < 1 and 0 < accept < 1
+    for m in logged:  # one source (the prompts file's name), a window of one step
+        assert [k for k in m if k.startswith("train/acc@1/")] == ["train/acc@1/train"]
+        assert m["train/acc@1/train"] == pytest.approx(m["train/acc@1"], abs=1e-6)
