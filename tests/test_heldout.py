@@ -124,5 +124,5 @@ def test_heldout_metrics_every_log_interval(setup, tmp_path):  # noqa: F811
     assert logged[-1]["heldout/expected_accept"] == pytest.approx(accept, rel=1e-4)
     assert 0 < acc < 1 and 0 < accept < 1
     for m in logged:  # one source (the prompts file's name), a window of one step
-        assert [k for k in m if k.startswith("train/acc@1/")] == ["train/acc@1/train"]
-        assert m["train/acc@1/train"] == pytest.approx(m["train/acc@1"], abs=1e-6)
+        assert [k for k in m if k.startswith("train/acc@1/")] == ["train/acc@1/target/train"]
+        assert m["train/acc@1/target/train"] == pytest.approx(m["train/acc@1"], abs=1e-6)

@@ -192,6 +192,10 @@ def test_kept_responses_train_beside_regenerated_ones(setup, tmp_path):
     assert report.num_kept == 2 and report.regenerate["num_done"] == len(QUESTIONS)
     dataset, _ = load_training_data(recipe, target.tokenizer)
     assert len(dataset) == len(QUESTIONS) + 2
+    assert sorted(set(dataset["source"])) == ["data/kept", "target/train"]
+    by_source = dict(zip(dataset["source"], dataset["target_written"], strict=True))
+    assert by_source == {"data/kept": False, "target/train": True}
+    assert sum(dataset["target_written"]) == len(QUESTIONS)
     texts = [target.tokenizer.decode(ids) for ids in dataset["input_ids"]]
     for answer in answers:
         assert sum(answer in t for t in texts) == 1

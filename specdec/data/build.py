@@ -117,6 +117,11 @@ def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
     return DataReport(str(out), len(rows), removed, asdict(stats), sft.as_dict(), loss_tokens, kept)
 
 
+def _source(row_id: str, by_target: bool) -> str:
+    """``target/<source>`` or ``data/<source>``: who wrote the answer, and the prompt source."""
+    return f"{'target' if by_target else 'data'}/{row_id.split(':', 1)[0]}"
+
+
 def load_target_model(spec) -> tuple:
     """``(model, tokenizer)`` of the target ``spec`` describes (a regeneration worker's
     ``load``)."""
@@ -166,7 +171,8 @@ def load_training_data(
     regenerated answers and the rows of ``responses: keep`` sources, or with regeneration off
     every row's own responses. ``rows``: the recipe's :func:`training_prompts`, when the
     caller has them already. Besides ``input_ids`` and ``loss_mask``, each row's ``source``
-    (its prompt source's name) and ``target_written`` (its answer is the target's own)."""
+    (``target/<name>`` or ``data/<name>``: who wrote the answer, and the prompt source's name)
+    and ``target_written``."""
     rows = training_prompts(recipe)[0] if rows is None else rows
     source = ", ".join(p.source for p in recipe.data.prompts)
     written = [False] * len(rows)
@@ -176,7 +182,7 @@ def load_training_data(
         kept = [r for r in rows if r["keep"]]
         rows, written = regenerated + kept, [True] * len(regenerated) + [False] * len(kept)
     tagged = [
-        {**row, "source": row["id"].split(":", 1)[0], "target_written": by_target}
+        {**row, "source": _source(row["id"], by_target), "target_written": by_target}
         for row, by_target in zip(rows, written, strict=True)
     ]
     return build_sft_dataset(
