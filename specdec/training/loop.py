@@ -117,7 +117,8 @@ def setup(recipe: Recipe) -> Run:
         raise ConfigError(
             f"train.batch_size: {len(train_rows)} training rows cannot fill one step of {per_step}"
         )
-    drafter = drafters.for_recipe(recipe.drafter, target, dataset)
+    # the draft vocabulary is chosen from the rows trained on, not the held-out ones
+    drafter = drafters.for_recipe(recipe.drafter, target, dataset.select(train_rows.tolist()))
     cache = None
     if recipe.data.teacher == "cache":
         fp = cache_fingerprint(recipe, target, dataset, drafter.required_target_layers)
