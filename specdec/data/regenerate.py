@@ -191,9 +191,9 @@ def regenerate(
         writer = ShardWriter(out, shard_size, manifest, on_disk, write_file=_write_atomic)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         job = Job(
-            todo, params, seed, eos_ids, max_new_tokens, batch_size, max_batch_tokens, shard_size
-        )
-        job.backend, job.model_path, job.dtype = backend, settings["model"], dtype
+            todo, params, seed, eos_ids, max_new_tokens, batch_size, max_batch_tokens,
+            shard_size, backend=backend, model_path=settings["model"], dtype=dtype,
+        )  # fmt: skip
         bar = tqdm(total=len(todo), unit="prompt", desc="regenerate", disable=not progress)
         with bar:
             if workers == 1:
