@@ -100,7 +100,7 @@ def heldout_metrics(run, batch_size: int) -> dict:
         for key, value in parts.items():
             sums[key] = sums.get(key, 0) + value
     model.train()
-    keys = sorted(f"train/acc@{s + 1}" for s in range(steps))
+    keys = [f"train/acc@{s + 1}" for s in range(steps)]
     keys += ["train/loss", "train/expected_accept"]
     keys += [f"train/expected_accept@{s + 1}" for s in range(1, steps)]
     return {
