@@ -1,7 +1,7 @@
 """Regeneration in several processes: each loads the target and writes its share of the shards.
 
 Each worker gets 1/W of the CPU threads and, on a host with several GPUs, its own GPU (worker w
-sees only visible GPU w mod count), so W GPUs regenerate W times as much at once. On a CPU the
+sees only visible GPU w mod count), so each GPU runs its own copy of the target. On a CPU the
 workers only help where one ``generate`` leaves cores idle (small batches); batched
 ``generate`` already keeps them busy (``bench/regenerate_throughput.py --workers``). Every
 worker takes every W-th prompt of the length-sorted list (so each gets long and short prompts
