@@ -201,22 +201,6 @@ def expected_acceptance(
 
 
 @torch.no_grad()
-def token_agreement(draft_logits: Tensor, target_tokens: Tensor, mask: Tensor) -> Tensor:
-    """Fraction of unmasked positions where the draft's argmax is the target's token.
-
-    With a reduced draft vocabulary, ``target_tokens`` holds the target's full-vocabulary
-    argmax as a draft index, -1 where it lies outside: such positions count as misses, as they
-    are when decoding (``train/acc@i``).
-
-    Args:
-        draft_logits: drafter logits.  # [B, T, D]
-        target_tokens: the target's argmax as a draft index, or -1.  # [B, T]
-        mask: True / 1 where a position counts.  # [B, T]
-    """
-    return masked_mean((draft_logits.argmax(dim=-1) == target_tokens).float(), mask)
-
-
-@torch.no_grad()
 def acceptance_rate(draft_logits: Tensor, target_log_probs: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``sum_v min(p(v), q(v))`` over unmasked positions, with ``p`` the target's
     full-vocabulary distribution read at the draft's tokens (not renormalised: the target's

@@ -31,7 +31,7 @@ from specdec.errors import DataError
 
 
 def generate_in_workers(
-    load: Callable[[], tuple], job: Job, workers: int, writer: ShardWriter, model_name: str, bar
+    load: Callable[[], tuple], job: Job, workers: int, writer: ShardWriter, report
 ) -> tuple[int, int, float]:
     """Generates ``job`` in ``workers`` spawned processes; returns new tokens, truncated rows
     and wall-clock seconds (model loading included).
@@ -41,8 +41,7 @@ def generate_in_workers(
         job: the prompts left and the generation settings.
         workers: processes to start.
         writer: the parent's writer; its next shard number is where the workers start.
-        model_name: the ``_name_or_path`` every worker's model must have.
-        bar: progress bar, updated per finished batch of any worker.
+        report: ``report(prompts, new_tokens)``, called per finished batch of any worker.
 
     Raises:
         DataError: a worker failed (its error is named) or died.
@@ -51,13 +50,12 @@ def generate_in_workers(
     messages = context.Queue()
     threads = max(1, torch.get_num_threads() // workers)
     first, gpus = writer.next_index, visible_gpus()
-    args = (load, job, workers, writer.out, first, model_name, messages, threads, gpus, os.getpid())
+    args = (load, job, workers, writer.out, first, messages, threads, gpus, os.getpid())
     procs = [context.Process(target=_work, args=(w, *args), daemon=True) for w in range(workers)]
     start = time.perf_counter()
     for proc in procs:
         proc.start()
     finished: dict[int, tuple[int, int]] = {}
-    total = 0
     try:
         while len(finished) < workers:
             try:
@@ -70,9 +68,7 @@ def generate_in_workers(
             if kind == "done":
                 finished[w] = (rest[0], rest[1])
             else:
-                total += rest[1]
-                bar.update(rest[0])
-                bar.set_postfix(tok_s=f"{total / (time.perf_counter() - start):.1f}")
+                report(*rest)
     finally:
         for proc in procs:
             if proc.is_alive() and len(finished) < workers:
@@ -99,7 +95,7 @@ def visible_gpus() -> list[str]:
     return listed.split(",") if listed else [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _work(w, load, job, workers, out, first, model_name, messages, threads, gpus, parent) -> None:
+def _work(w, load, job, workers, out, first, messages, threads, gpus, parent) -> None:
     """One worker: load the model, generate prompts ``w::workers``, post progress."""
     if gpus:  # before anything touches CUDA in this fresh process
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus[w % len(gpus)]
@@ -107,8 +103,10 @@ def _work(w, load, job, workers, out, first, model_name, messages, threads, gpus
     try:
         model, tokenizer = load()
         name = getattr(model.config, "_name_or_path", "") or ""
-        if name != model_name:
-            raise DataError(f"`load` gave model {name!r}, the regeneration is of {model_name!r}")
+        if name != job.model_path:
+            raise DataError(
+                f"`load` gave model {name!r}, the regeneration is of {job.model_path!r}"
+            )
         writer = ShardWriter(out, job.shard_size, None, {}, first_index=first + w, stride=workers)
 
         def report(prompts: int, tokens: int) -> None:

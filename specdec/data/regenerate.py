@@ -196,15 +196,16 @@ def regenerate(
         )  # fmt: skip
         bar = tqdm(total=len(todo), unit="prompt", desc="regenerate", disable=not progress)
         with bar:
+            report = BarReport(bar)
             if workers == 1:
-                new_tokens, truncated, seconds = _generate_here(model, tokenizer, job, writer, bar)
+                done = _generate_here(model, tokenizer, job, writer, report)
             else:
                 from specdec.data.parallel import generate_in_workers
 
                 writer.write_manifest()
-                done = generate_in_workers(load, job, workers, writer, settings["model"], bar)
-                new_tokens, truncated, seconds = done
+                done = generate_in_workers(load, job, workers, writer, report)
                 writer.recount()
+        new_tokens, truncated, seconds = done
 
     stats = RegenerateStats(
         num_prompts=len(rows),
@@ -258,18 +259,22 @@ class Job:
         return BatchGenerator(model, self.params, self.seed, self.eos_ids, pad, most)
 
 
-def _generate_here(model, tokenizer, job: Job, writer: ShardWriter, bar) -> tuple[int, int, float]:
+class BarReport:
+    """``report(prompts, new_tokens)`` after each batch: the bar advances and shows tokens/s
+    since it was made."""
+
+    def __init__(self, bar):
+        self.bar, self.tokens, self.start = bar, 0, time.perf_counter()
+
+    def __call__(self, prompts: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.update(prompts)
+        self.bar.set_postfix(tok_s=f"{self.tokens / (time.perf_counter() - self.start):.1f}")
+
+
+def _generate_here(model, tokenizer, job: Job, writer, report) -> tuple[int, int, float]:
     """Generates every prompt of ``job`` in this process; returns new tokens, truncated rows
     and seconds."""
-    start = time.perf_counter()
-    total = 0
-
-    def report(prompts: int, tokens: int) -> None:
-        nonlocal total
-        total += tokens
-        bar.update(prompts)
-        bar.set_postfix(tok_s=f"{total / (time.perf_counter() - start):.1f}")
-
     writer.write_manifest()
     batches = job.batches(job.todo)
     return generate_batches(batches, job.generator(model, tokenizer), tokenizer, writer, report)

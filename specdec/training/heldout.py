@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from specdec.training.step import collate, drafter_loss
+from specdec.training.step import collate, drafter_loss, step_counts
 
 logger = logging.getLogger(__name__)
 
@@ -42,28 +42,23 @@ def split_rows(dataset, wanted: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 
 class SourceAccuracy:
-    """Agreements and positions of the first draft step per data source, over a window."""
+    """Agreements and positions of the first draft step per data source, over a window; kept
+    on ``device``, so a training step adds no host synchronisation."""
 
-    def __init__(self, sources: list[str]):
+    def __init__(self, sources: list[str], device: torch.device | str = "cpu"):
         self.names = sorted(set(sources))
-        self.code = torch.tensor([self.names.index(s) for s in sources])
-        self.reset()
-
-    def reset(self) -> None:
-        self.agree = torch.zeros(len(self.names))
-        self.count = torch.zeros(len(self.names))
+        self.code = torch.tensor([self.names.index(s) for s in sources], device=device)
+        self.sums = torch.zeros(2, len(self.names), device=device)  # agreements, positions
 
     def add(self, rows: torch.Tensor, agree: torch.Tensor, count: torch.Tensor) -> None:
         """Rows ``[B]`` (dataset indices) with their agreements and positions ``[B]``."""
-        codes = self.code[rows.cpu()]
-        self.agree.index_add_(0, codes, agree.detach().float().cpu())
-        self.count.index_add_(0, codes, count.detach().float().cpu())
+        codes = self.code[rows.to(self.code.device)]
+        self.sums.index_add_(1, codes, torch.stack([agree, count]).detach().float())
 
     def metrics(self, accelerator) -> dict:
         """``train/acc@1/<source>`` over the window (all processes), then a fresh window."""
-        both = torch.stack([self.agree, self.count]).to(accelerator.device)
-        agree, count = accelerator.reduce(both, "sum").cpu()
-        self.reset()
+        agree, count = accelerator.reduce(self.sums.clone(), "sum").cpu()
+        self.sums.zero_()
         return {
             f"train/acc@1/{name}": float(a / c)
             for name, a, c in zip(self.names, agree, count, strict=True)
@@ -85,11 +80,7 @@ def heldout_metrics(run, batch_size: int) -> dict:
         {k: v.to(accelerator.device) for k, v in collate(run.dataset, part, pad, run.cache).items()}
         for part in (mine[i : i + batch_size] for i in range(0, len(mine), batch_size))
     ]
-    steps = len(run.drafter.step_weights())
-    local = torch.zeros(steps, device=accelerator.device)
-    for batch in batches:
-        local += run.drafter.loss_masks(batch["loss_mask"]).sum(dim=(1, 2))
-    counts = accelerator.reduce(local, "sum") / n
+    counts = step_counts(run.drafter, batches, accelerator)
     model = accelerator.unwrap_model(run.model)
     model.eval()
     sums: dict[str, torch.Tensor] = {}
@@ -100,12 +91,12 @@ def heldout_metrics(run, batch_size: int) -> dict:
         for key, value in parts.items():
             sums[key] = sums.get(key, 0) + value
     model.train()
+    steps = len(run.drafter.step_weights())
     keys = [f"train/acc@{s + 1}" for s in range(steps)]
     keys += ["train/loss", "train/expected_accept"]
     keys += [f"train/expected_accept@{s + 1}" for s in range(1, steps)]
-    return {
-        "heldout/" + key.removeprefix("train/"): float(
-            accelerator.reduce(torch.as_tensor(sums.get(key, 0.0)).to(accelerator.device), "sum")
-        )
-        for key in keys
-    }
+    # every process reduces the same keys, those with no held-out rows zeros
+    device = accelerator.device
+    local = torch.stack([torch.as_tensor(sums.get(k, 0.0), device=device).float() for k in keys])
+    total = accelerator.reduce(local, "sum").tolist()
+    return {"heldout/" + k.removeprefix("train/"): v for k, v in zip(keys, total, strict=True)}

@@ -33,7 +33,7 @@ from specdec.files import replace_dir
 from specdec.training.checkpoint import TrainState, check_same_recipe
 from specdec.training.evaluate import checkpoint_table, score_checkpoint
 from specdec.training.heldout import SourceAccuracy, heldout_metrics, split_rows
-from specdec.training.step import drafter_loss, micro_batch
+from specdec.training.step import drafter_loss, micro_batch, step_counts
 from specdec.training.trackers import MetricsLog
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def setup(recipe: Recipe) -> Run:
         cache,
         train_rows,
         heldout_rows,
-        SourceAccuracy(dataset["source"]),
+        SourceAccuracy(dataset["source"], accelerator.device),
     )
 
 
@@ -238,8 +238,7 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
         for a in range(cfg.grad_accum)
     ]
     # per draft step: the global count of positions it is trained on
-    local = sum(run.drafter.loss_masks(b["loss_mask"]).sum(dim=(1, 2)) for b in batches)
-    per_process = accelerator.reduce(local.float(), "sum") / n  # DDP averages gradients
+    per_process = step_counts(run.drafter, batches, accelerator)
     sums: dict[str, torch.Tensor] = {}
     for a, batch in enumerate(batches):
         last = a == len(batches) - 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.losses import acceptance_rate, distill_loss, masked_mean, token_agreement
+from specdec.losses import acceptance_rate, distill_loss, masked_mean
 
 
 def micro_batch(
@@ -120,16 +120,27 @@ def drafter_loss(
         loss = loss + float(weights[s]) * step_loss
         share = mask.sum() / num_tokens[s] / processes
         at = "" if s == 0 else f"@{s + 1}"
-        metrics[f"train/acc@{s + 1}"] = token_agreement(draft, teacher.tokens[s], mask) * share
+        # the target's full-vocabulary argmax as a draft index, -1 outside it: a miss there,
+        # as when decoding
+        agree = (draft.argmax(dim=-1) == teacher.tokens[s]) & mask.bool()  # [B, T]
+        metrics[f"train/acc@{s + 1}"] = agree.sum() / num_tokens[s] / processes
         accept = acceptance_rate(draft, teacher.log_probs[s], mask)
         metrics[f"train/expected_accept{at}"] = accept * share
         if s == 0:
             metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
             outside = (teacher.tokens[0] < 0).float()
             metrics["train/out_of_vocab"] = masked_mean(outside, mask) * share
-            agree = (draft.argmax(dim=-1) == teacher.tokens[0]) & mask.bool()
             rows = (agree.sum(dim=1), mask.sum(dim=1))  # per row: agreements, positions
     return loss, {"train/loss": loss.detach() / processes, **metrics}, rows
+
+
+def step_counts(drafter, batches: list[dict], accelerator) -> torch.Tensor:
+    """``[S]``: each draft step's count of trained positions in ``batches`` over all processes,
+    divided by the process count (``drafter_loss``'s ``num_tokens``; DDP averages gradients)."""
+    local = torch.zeros(len(drafter.step_weights()), device=accelerator.device)
+    for batch in batches:  # a process may hold none (held-out rows fewer than processes)
+        local += drafter.loss_masks(batch["loss_mask"]).sum(dim=(1, 2))
+    return accelerator.reduce(local, "sum") / accelerator.num_processes
 
 
 def _shift_left(mask: torch.Tensor) -> torch.Tensor:
