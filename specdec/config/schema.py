@@ -141,6 +141,25 @@ class RegenerateConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    fraction: float = _opt(
+        0.0, "Share of micro-batches drawn from the drafter's own continuations of training "
+        "prompts, with the target's logits on them as the teacher (DistillSpec's on-policy "
+        "data); 0 is off.", ge=0, le=1,
+    )  # fmt: skip
+    refresh_every: int = _opt(
+        50, "Optimizer steps between rollouts; the first comes after this many steps on the "
+        "fixed data.", ge=1,
+    )  # fmt: skip
+    prompts: int = _opt(64, "Training prompts the drafter continues at each refresh.", ge=1)
+    max_new_tokens: int = _opt(128, "Length of each continuation.", ge=1)
+    temperature: float = _opt(
+        1.0, "Sampling temperature of the drafter's continuations; 0 is its greedy text.", ge=0
+    )
+    k: int = _opt(4, "Tokens drafted per target forward while rolling out.", ge=1)
+
+
+@dataclass
 class CacheConfig:
     dir: str | None = _opt(None, "Where the teacher cache lives; null: <run dir>/teacher-cache.")
     top_k: int = _opt(
@@ -179,6 +198,9 @@ class DataConfig:
         "cache`, or by the first training run).",
     )  # fmt: skip
     cache: CacheConfig = _opt(CacheConfig(), "The teacher cache (data.teacher: cache).")
+    on_policy: OnPolicyConfig = _opt(
+        OnPolicyConfig(), "Training on the drafter's own continuations (mixed with the data)."
+    )
 
 
 @dataclass

@@ -194,6 +194,7 @@ def _cross_checks(r: Recipe) -> None:
     if r.loss.mix and sum(r.loss.mix.values()) <= 0:
         raise Invalid("loss.mix", "expected weights with a positive sum")
     _check_regenerate(r.data.regenerate)
+    _check_on_policy(r.data.on_policy, r.train)
 
 
 def _check_regenerate(gen) -> None:
@@ -205,6 +206,19 @@ def _check_regenerate(gen) -> None:
     if gen.backend == "vllm" and gen.workers > 1:
         message = "vLLM batches by itself: expected 1 with data.regenerate.backend 'vllm'"
         raise Invalid("data.regenerate.workers", message, also=["data.regenerate.backend"])
+
+
+def _check_on_policy(policy, train) -> None:
+    if policy.fraction == 0:
+        return
+    if policy.refresh_every >= train.max_steps:
+        message = f"{policy.refresh_every} is not below train.max_steps ({train.max_steps}): "
+        message += "the drafter's continuations would never be trained on"
+        raise Invalid("data.on_policy.refresh_every", message, also=["train.max_steps"])
+    if policy.prompts < train.batch_size:
+        message = f"{policy.prompts} continuations cannot fill a micro-batch of "
+        message += f"train.batch_size {train.batch_size}"
+        raise Invalid("data.on_policy.prompts", message, also=["train.batch_size"])
 
 
 def _check_tree(ev) -> None:

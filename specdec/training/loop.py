@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from specdec.config import Recipe, save_recipe
+from specdec.data.onpolicy import POLICY_SOURCE, PolicyPool
 from specdec.errors import ConfigError
 from specdec.files import replace_dir
 from specdec.training.checkpoint import TrainState, check_same_recipe
@@ -74,6 +75,7 @@ class Run:
     train_rows: torch.Tensor | None = None  # dataset rows trained on
     heldout_rows: torch.Tensor | None = None  # target-written rows evaluated, never trained on
     by_source: SourceAccuracy | None = None  # first-step agreement per data source
+    pool: PolicyPool | None = None  # the drafter's own continuations (data.on_policy)
 
 
 def setup(recipe: Recipe) -> Run:
@@ -140,6 +142,10 @@ def setup(recipe: Recipe) -> Run:
     model, optimizer = accelerator.prepare(drafter.module, optimizer)
     state = TrainState()
     accelerator.register_for_checkpointing(state, scheduler)
+    pool = None
+    if recipe.data.on_policy.fraction > 0:
+        pool = PolicyPool(recipe.data.on_policy, recipe.run.seed, recipe.data.max_length)
+        accelerator.register_for_checkpointing(pool)
     if resuming:
         accelerator.load_state(str(run_dir / "state"))
         logger.info("resumed %s at step %d", run_dir, state.step)
@@ -159,7 +165,8 @@ def setup(recipe: Recipe) -> Run:
         cache,
         train_rows,
         heldout_rows,
-        SourceAccuracy(dataset["source"], accelerator.device),
+        SourceAccuracy([*dataset["source"], POLICY_SOURCE], accelerator.device),
+        pool,
     )
 
 
@@ -176,6 +183,10 @@ def train(recipe: Recipe) -> dict:
     )
     window_tokens, window_start = 0, time.perf_counter()
     while state.step < cfg.max_steps:
+        if run.pool is not None and run.pool.due(state.step):
+            run.pool.refresh(
+                run.target, run.drafter, run.dataset, run.train_rows, state.step, accelerator
+            )
         sums, grad_norm, tokens = optimizer_step(run)
         window_tokens += tokens
         bar.update(1)
@@ -184,11 +195,14 @@ def train(recipe: Recipe) -> dict:
             metrics |= {
                 "train/lr": run.scheduler.get_last_lr()[0],
                 "train/tokens_per_second": window_tokens / (time.perf_counter() - window_start),
-                "train/epoch": state.micro_batches * cfg.batch_size / len(run.dataset),
+                "train/epoch": state.micro_batches * cfg.batch_size / len(run.train_rows),
             }
             if grad_norm is not None:
                 metrics["train/grad_norm"] = float(grad_norm)
             metrics |= run.by_source.metrics(accelerator)
+            if run.pool is not None:
+                metrics |= run.pool.stats
+                run.pool.stats = {}
             metrics |= heldout_metrics(run, cfg.batch_size)
             log.write(state.step, metrics)
             bar.set_postfix(
@@ -219,13 +233,22 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
     recipe, accelerator, state = run.recipe, run.accelerator, run.state
     cfg, n = recipe.train, accelerator.num_processes
     pad_id = run.target.tokenizer.pad_token_id or 0
-    first = state.micro_batches + accelerator.process_index
-    batches = [
-        {
-            k: v.to(accelerator.device)
-            for k, v in micro_batch(
+    slots = cfg.grad_accum * n
+    # the first `mixed` micro-batches of the step are the drafter's own continuations
+    policy_first, mixed = run.pool.split(state.step, slots) if run.pool else (0, 0)
+    batches = []
+    for a in range(cfg.grad_accum):
+        j = a * n + accelerator.process_index  # this micro-batch's slot in the step
+        if j < mixed:
+            pool = run.pool
+            batch = micro_batch(
+                pool.dataset, policy_first + j, cfg.batch_size, pool.batch_seed, pad_id
+            )
+            batch["rows"] = torch.full_like(batch["rows"], len(run.dataset))  # POLICY_SOURCE
+        else:
+            batch = micro_batch(
                 run.dataset,
-                first + a * n,
+                state.micro_batches + j - mixed,
                 cfg.batch_size,
                 recipe.run.seed,
                 pad_id,
@@ -233,10 +256,8 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
                 cfg.length_group,
                 run.cache,
                 run.train_rows,
-            ).items()
-        }
-        for a in range(cfg.grad_accum)
-    ]
+            )
+        batches.append({k: v.to(accelerator.device) for k, v in batch.items()})
     # per draft step: the global count of positions it is trained on
     per_process = step_counts(run.drafter, batches, accelerator)
     sums: dict[str, torch.Tensor] = {}
@@ -255,7 +276,7 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
     local_tokens = torch.tensor(sum(int(b["attention_mask"].sum()) for b in batches))
     tokens = int(accelerator.reduce(local_tokens.to(accelerator.device), "sum"))
     state.step += 1
-    state.micro_batches += cfg.grad_accum * n
+    state.micro_batches += slots - mixed
     state.tokens += tokens
     return sums, grad_norm, tokens
 
