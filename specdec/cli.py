@@ -131,7 +131,7 @@ def _train(args: argparse.Namespace) -> None:
     if summary.get("best"):
         best = summary["best"]
         print(
-            f"best checkpoint: {best['path']} (tau {best['tau']:.3f}, "
+            f"best checkpoint: {Path(summary['run_dir']) / best['path']} (tau {best['tau']:.3f}, "
             f"speedup {best['speedup']:.2f}x, greedy identity {best['greedy_match_rate']})"
         )
 

@@ -234,6 +234,10 @@ class TrainConfig:
     )
     save_every: int = _opt(200, "Checkpoint (and score) every this many steps.", ge=1)
     log_every: int = _opt(10, "Log metrics every this many steps.", ge=1)
+    barrier_minutes: int = _opt(
+        180, "How long processes wait for each other at a barrier (the main one regenerating "
+        "data, caching the teacher or scoring) before the run fails.", ge=1,
+    )  # fmt: skip
     resume: bool = _opt(True, "Resume from the latest checkpoint in the run directory.")
     trackers: list[str] = _opt([], "Extra trackers (jsonl is always on).", choices=TRACKERS)
     wandb_project: str = _opt("specdec", "Weights & Biases project.")

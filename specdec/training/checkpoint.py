@@ -10,16 +10,23 @@ run killed at any moment leaves either the old or the new version, never half of
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdec.config import Recipe, recipe_to_dict
 from specdec.errors import ConfigError
-from specdec.files import write_json
+from specdec.files import recover_dir, write_json
+
+logger = logging.getLogger(__name__)
 
 # keys that may change between a run and its resumption without making it another run
-RESUMABLE_CHANGES = ("train.max_steps", "train.trackers", "train.log_every", "eval.")
+# (run.output_dir: a run directory may be moved or copied and resumed where it lies)
+RESUMABLE_CHANGES = (
+    "train.max_steps", "train.trackers", "train.log_every", "train.barrier_minutes", "eval.",
+    "run.output_dir",
+)  # fmt: skip
 
 
 @dataclass
@@ -40,6 +47,49 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+def recover_run_dir(run_dir: Path) -> None:
+    """Finish directory swaps a crash cut short (``state``, checkpoints); main process only.
+    (A checkpoint a crash left half written is cleared when that step is saved again.)"""
+    recover_dir(run_dir / "state", run_dir / "state.tmp")
+    for old in (run_dir / "checkpoints").glob(".step-*.old"):
+        recover_dir(old.with_name(old.name[1:].removesuffix(".old")))
+
+
+def refresh_best(run_dir: Path) -> None:
+    """``best`` from the scores on disk, compared under the latest checkpoint's settings (a
+    run killed between a score and its ``best`` update)."""
+    scores = sorted((run_dir / "checkpoints").glob("step-*/score.json"))
+    for path in reversed(scores):
+        try:
+            score = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        update_best(run_dir, path.parent, score)
+        return
+
+
+def check_run_dir(run_dir: Path, recipe: Recipe) -> bool:
+    """Whether the run resumes, checked before anything loads.
+
+    Raises:
+        ConfigError: ``run.output_dir`` is a file; the directory holds a run that
+            ``train.resume: false`` would overwrite; or a run of another recipe.
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.output_dir: {run_dir} is a file, not a directory")
+    saved = (run_dir / "state").is_dir() or any((run_dir / "checkpoints").glob("step-*"))
+    if not saved:
+        return False
+    if not recipe.train.resume:
+        raise ConfigError(
+            f"train.resume: false, but {run_dir} holds a run (its state and checkpoints) that "
+            "this one would overwrite; resume it, choose another run.name or run.output_dir, "
+            "or delete the directory"
+        )
+    check_same_recipe(run_dir, recipe)
+    return (run_dir / "state").is_dir()
 
 
 def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
@@ -71,25 +121,36 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def update_best(run_dir: Path, checkpoint: Path, score: dict) -> bool:
-    """Point ``best`` at ``checkpoint`` if its tau beats the best so far."""
-    best_file = run_dir / "best.json"
-    best = json.loads(best_file.read_text()) if best_file.exists() else None
-    if best is not None and best["tau"] >= score["tau"]:
+    """Point ``best`` at the checkpoint with the highest τ (the earliest on a tie) among those
+    scored with the same settings as ``score``, read from the score files on disk each time: a
+    stale, corrupt or foreign ``best.json`` cannot mislead it, and τ measured under other
+    ``eval`` settings is not compared. Returns whether ``checkpoint`` is the best."""
+    settings = json.loads(json.dumps(score.get("settings"), default=str))  # as on disk
+    scored = []
+    for path in sorted((run_dir / "checkpoints").glob("step-*/score.json")):
+        try:
+            other = json.loads(path.read_text())
+        except (OSError, ValueError):
+            logger.warning("%s: unreadable, left out of the best checkpoint", path)
+            continue
+        if other.get("settings") == settings and "tau" in other:
+            scored.append((-other["tau"], path.parent.name, other))
+    if not scored:
         return False
+    _, name, best = min(scored)
     write_json(
-        best_file,
+        run_dir / "best.json",
         {
-            "checkpoint": checkpoint.name,
-            "path": str(checkpoint),
-            "tau": score["tau"],
-            "speedup": score["speedup"],
-            "greedy_match_rate": score["greedy_match_rate"],
+            "checkpoint": name,
+            "path": f"checkpoints/{name}",  # relative: the run directory may move
+            "tau": best["tau"],
+            "speedup": best["speedup"],
+            "greedy_match_rate": best["greedy_match_rate"],
         },
     )
-    link = run_dir / "best"
-    tmp = run_dir / "best.tmp"
-    if tmp.is_symlink():
+    link, tmp = run_dir / "best", run_dir / "best.tmp"
+    if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
-    tmp.symlink_to(Path("checkpoints") / checkpoint.name)
+    tmp.symlink_to(Path("checkpoints") / name)
     os.replace(tmp, link)
-    return True
+    return name == checkpoint.name

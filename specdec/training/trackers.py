@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from specdec.config import Recipe, recipe_to_dict
+from specdec.errors import ConfigError
+from specdec.files import write_text
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -20,12 +25,8 @@ class MetricsLog:
         if not self.active:
             return
         if path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= truncate_after
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line in _lines(path) if line["step"] <= truncate_after]
+            write_text(path, "".join(json.dumps(line) + "\n" for line in kept))
         self.file = open(path, "a")  # noqa: SIM115 - kept open for the run
         if accelerator.trackers is not None and recipe.train.trackers:
             accelerator.init_trackers(
@@ -54,4 +55,29 @@ def _flat(recipe: Recipe) -> dict:
             out[f"{section}.{key}"] = (
                 value if isinstance(value, int | float | str | bool) else str(value)
             )
+    return out
+
+
+def _lines(path: Path) -> list[dict]:
+    """The logged lines; a last line cut short (a killed write) is dropped with a warning.
+
+    Raises:
+        ConfigError: another line is not a JSON object with a step.
+    """
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    out = []
+    for i, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+            line["step"] + 0  # noqa: B018 - a number, or the error below
+        except (ValueError, TypeError, KeyError):
+            if i == len(lines):
+                logger.warning("%s: dropped its last line, cut short: %.60s", path, text)
+                continue
+            raise ConfigError(
+                f"{path}: line {i} is not a metrics line ({text[:60]!r}); repair or remove it"
+            ) from None
+        out.append(line)
     return out
