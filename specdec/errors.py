@@ -23,3 +23,9 @@ class DataError(SpecdecError):
 
 class ModelError(SpecdecError):
     """A target, draft model or checkpoint cannot be loaded or does not fit its partner."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its class name when it has none)."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__

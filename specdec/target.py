@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -47,6 +48,7 @@ from transformers import (
 from specdec import assets
 from specdec.assets import SMOLLM2_135M_GGUF, PackagedFile
 from specdec.errors import ModelError
+from specdec.files import normal_mode
 from specdec.layers import resolve_layer
 
 logger = logging.getLogger(__name__)
@@ -151,6 +153,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    normal_mode(tmp)
     try:
         model.save_pretrained(tmp)  # safetensors, config and generation config
         tokenizer.save_pretrained(tmp)
@@ -177,9 +180,15 @@ def _torch_device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        out = torch.device(device)
     except RuntimeError:
         raise ModelError(f"unknown target device {device!r}") from None
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(
+            f"target device {str(device)!r}: no CUDA device here (torch {torch.__version__}); "
+            "use cpu or auto"
+        )
+    return out
 
 
 def load_target_model(
@@ -222,7 +231,7 @@ def load_target_model(
     try:
         lm = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # a truncated weights file too
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ModelError(f"could not load target {model!r}: {reason}") from err
     lm.to(torch_device).eval()

@@ -1,8 +1,10 @@
 """Bad input through the `specdec` command: one line that names the problem, no traceback."""
 
 import json
+import shutil
 
 import pytest
+import torch
 
 from specdec.cli import main
 
@@ -130,3 +132,82 @@ def test_score_never_replaces_a_checkpoints_score_unasked(capsys, tmp_path):
     want = f"{ckpt / 'score.json'} exists; pass --out PATH, or --force to replace it"
     assert err == f"specdec: error: {want}"
     assert (ckpt / "score.json").read_text() == '{"tau": 1.5}'
+
+
+def test_recipe_with_a_key_given_twice(capsys, tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  lr: 0.1\n  max_steps: 3\n  lr: 0.2\n")
+    err = error_line(capsys, ["check", str(path)])
+    assert err.startswith(f"specdec: error: {path}: line 4, column 3: invalid YAML")
+    assert "key 'lr' given twice in one mapping" in err
+
+
+def test_empty_recipe_is_not_the_default_recipe(capsys, tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    err = error_line(capsys, ["check", str(path)])
+    assert err == f"specdec: error: {path}: empty; a recipe names at least its target or drafter"
+
+
+def test_recipe_that_is_not_utf8(capsys, tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"run:\n  name: caf\xe9\n")
+    assert error_line(capsys, ["check", str(path)]) == (
+        f"specdec: error: {path}: not UTF-8 text (byte 16)"
+    )
+
+
+def test_run_name_that_is_a_path(capsys, recipe):
+    err = error_line(capsys, ["check", recipe(run={"name": "../../../etc"})])
+    assert "run.name: '../../../etc': expected a plain name" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+def test_cuda_target_without_cuda(capsys, recipe):
+    err = error_line(capsys, ["data", "regenerate", "--config", recipe(target={"device": "cuda"})])
+    assert "target device 'cuda': no CUDA device here" in err
+
+
+def test_prompt_path_that_is_a_directory(capsys, recipe, tmp_path):
+    folder = tmp_path / "prompts_dir"
+    folder.mkdir()
+    err = error_line(
+        capsys, ["data", "regenerate", "--config", recipe(data={"prompts": [str(folder)]})]
+    )
+    assert f"{folder}: a directory, not a prompt file" in err
+
+
+def test_prompt_file_that_is_not_utf8(capsys, recipe, tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    err = error_line(
+        capsys, ["data", "regenerate", "--config", recipe(data={"prompts": [str(bad)]})]
+    )
+    assert f"{bad}: not UTF-8 text (byte 15)" in err
+
+
+def test_score_out_below_a_file_fails_before_any_model_loads(capsys, tmp_path):
+    (tmp_path / "report").write_text("mine")
+    out = tmp_path / "report" / "run" / "score.json"
+    argv = ["score", "--drafter", "prompt_lookup", "--target", "/no/such/target", "--out", str(out)]
+    err = error_line(capsys, argv)
+    assert err == f"specdec: error: --out {out}: {tmp_path / 'report'} is a file, not a directory"
+    assert (tmp_path / "report").read_text() == "mine"
+
+
+def test_truncated_target_weights(capsys, tmp_path, tiny_llama_dir):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_llama_dir, target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    argv = ["score", "--drafter", "prompt_lookup", "--target", str(target), "--num-prompts", "1"]
+    err = error_line(capsys, argv)
+    assert err.startswith(f"specdec: error: could not load target '{target}'")
+
+
+def test_run_output_dir_that_is_a_file(capsys, recipe, tmp_path):
+    (tmp_path / "taken").write_text("mine")
+    path = recipe(run={"output_dir": str(tmp_path / "taken")})
+    err = error_line(capsys, ["train", "--config", path])
+    assert err == f"specdec: error: run.output_dir: {tmp_path / 'taken'} is a file, not a directory"
+    assert (tmp_path / "taken").read_text() == "mine"

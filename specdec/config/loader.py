@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import MISSING
 from pathlib import Path
@@ -29,12 +28,26 @@ from specdec.config.validation import (
     validate,
 )
 from specdec.errors import ConfigError
+from specdec.files import write_text
 
 # ------------------------------------------------------------------------------ YAML 1.2 scalars
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader whose booleans and floats follow YAML 1.2."""
+    """SafeLoader whose booleans and floats follow YAML 1.2, and which refuses a key given
+    twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping", mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -144,8 +157,13 @@ def load_recipe(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         source = str(path)
         if not Path(path).is_file():
             raise ConfigError(f"recipe not found: {source}")
-        data = _parse_yaml(Path(path).read_text(encoding="utf-8"), source)
-        data = {} if data is None else data
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{source}: not UTF-8 text (byte {err.start})") from None
+        data = _parse_yaml(text, source)
+        if data is None:  # an empty file would silently mean the default recipe
+            raise ConfigError(f"{source}: empty; a recipe names at least its target or drafter")
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of sections, got {show(data)}")
         if "distributed_type" in data or "compute_environment" in data:
@@ -169,18 +187,11 @@ def recipe_to_dict(recipe: Any) -> dict:
 
 
 def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:
-    """Write the resolved recipe as YAML, atomically (a temporary file, then ``os.replace``)."""
+    """Write the resolved recipe as YAML, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("# Resolved recipe: every key, defaults included.\n" + body)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text(path, "# Resolved recipe: every key, defaults included.\n" + body)
 
 
 def iter_recipes(root: str | os.PathLike = "recipes") -> list[Path]:

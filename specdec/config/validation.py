@@ -189,6 +189,9 @@ def _cross_checks(r: Recipe) -> None:
     """Rules that involve more than one field."""
     if not r.run.name.strip():
         raise Invalid("run.name", "expected a non-empty name")
+    if "/" in r.run.name or "\\" in r.run.name or r.run.name.strip() in (".", ".."):
+        message = f"{r.run.name!r}: expected a plain name (the run directory is runs/<name>); "
+        raise Invalid("run.name", message + "use run.output_dir for a path")
     r.drafter.check()
     _check_tree(r.eval)
     if r.loss.mix and sum(r.loss.mix.values()) <= 0:

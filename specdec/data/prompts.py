@@ -38,8 +38,13 @@ def read_records(path: str | os.PathLike) -> list[dict]:
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path}: cannot read ({err})") from None
     if path.name.removesuffix(".gz").endswith(".json"):
         try:
             whole = json.loads(text)
@@ -280,6 +285,10 @@ def load_prompt_rows(
         return rows[:limit] if limit is not None else rows
     if _is_local(source):
         path = Path(source).expanduser()
+        if path.is_dir():
+            raise DataError(
+                f"{path}: a directory, not a prompt file (.jsonl, .json, .parquet, .csv)"
+            )
         if not path.is_file():
             raise DataError(f"prompt file not found: {path}")
         records, name, default = _local_records(path), path.name, path.name.split(".")[0]

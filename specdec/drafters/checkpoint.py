@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 
-from specdec.errors import ModelError
+from specdec.errors import ModelError, first_line
 
 if TYPE_CHECKING:
     from specdec.drafters.draft_model import DraftModelDrafter
@@ -30,6 +31,8 @@ CHECKPOINT_FILE = "drafter.json"
 VOCAB_MAP_FILE = "vocab_map.safetensors"
 #: config attribute of a reduced-vocabulary draft model: the number of rows of its LM head
 REDUCED_VOCAB_ATTR = "specdec_draft_vocab_size"
+#: files a saved tokenizer consists of (one of them is enough to expect a readable one)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def read_meta(path: str | os.PathLike) -> dict:
@@ -53,16 +56,19 @@ def load_reduced(path: Path, target) -> DraftModelDrafter:
     from specdec.drafters.draft_model_init import reduce_head
 
     _check_tokenizer(str(path), target.tokenizer)
-    config = AutoConfig.from_pretrained(path)
-    vocab_map = load_file(path / VOCAB_MAP_FILE)["vocab_map"]
+    try:
+        config = AutoConfig.from_pretrained(path)
+        vocab_map = load_file(path / VOCAB_MAP_FILE)["vocab_map"]
+        state = {}
+        for file in sorted(path.glob("model*.safetensors")):
+            state.update(load_file(file))
+    except (OSError, ValueError, KeyError, SafetensorError) as err:  # garbage or truncated
+        raise ModelError(f"{path}: unreadable checkpoint ({first_line(err)})") from None
     size = getattr(config, REDUCED_VOCAB_ATTR, None)
     if size != len(vocab_map) or int(vocab_map.max()) >= target.vocab_size:
         raise ModelError(f"{path}: {VOCAB_MAP_FILE} does not fit its config or the target")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     reduce_head(model, torch.arange(size))
-    state = {}
-    for file in sorted(path.glob("model*.safetensors")):
-        state.update(load_file(file))
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
@@ -76,14 +82,19 @@ def _check_tokenizer(path_or_id: str, target_tokenizer) -> None:
     ``AutoTokenizer`` may pick a model-specific class that adds tokens of its own)."""
     from transformers import AutoTokenizer
 
-    tokenizer = None
+    tokenizer, error = None, None
     for loader in (type(target_tokenizer), AutoTokenizer):
         try:
             tokenizer = loader.from_pretrained(path_or_id)
             break
-        except Exception:  # no usable tokenizer for this reader: try the next one
+        except Exception as err:  # no usable tokenizer for this reader: try the next one
+            error = err
             continue
     if tokenizer is None:
+        saved = [f for f in TOKENIZER_FILES if (Path(path_or_id).expanduser() / f).exists()]
+        if saved:  # files that should have been read: a drafter of unknown vocabulary
+            where = Path(path_or_id) / saved[0]
+            raise ModelError(f"{where}: unreadable tokenizer ({first_line(error)})")
         return  # weights without a tokenizer: the embedding size is checked by the caller
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise ModelError(
@@ -116,11 +127,17 @@ def load_draft_model(
                 f"{path_or_id} has a reduced output vocabulary: load it as a specdec checkpoint "
                 "(--checkpoint); it decodes only with specdec's decoder"
             )
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype or torch.float32)
-    except (OSError, ValueError) as err:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path_or_id, dtype=dtype or torch.float32, output_loading_info=True
+        )
+    except (OSError, ValueError, SafetensorError) as err:
+        raise ModelError(f"cannot load draft model {path_or_id}: {first_line(err)}") from None
+    missing = sorted(info.get("missing_keys") or ()) + sorted(info.get("mismatched_keys") or ())
+    if missing:  # from_pretrained would leave them randomly initialised
         raise ModelError(
-            f"cannot load draft model {path_or_id}: {str(err).splitlines()[0]}"
-        ) from None
+            f"draft model {path_or_id}: {len(missing)} weights missing or misshapen in its "
+            f"files ({', '.join(str(k) for k in missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        )
     if model.get_input_embeddings().num_embeddings < len(target_tokenizer):
         raise ModelError(
             f"draft model {path_or_id} embeds {model.get_input_embeddings().num_embeddings} "

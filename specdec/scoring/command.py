@@ -93,8 +93,9 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     out = job.out_path
     if out.exists() and not job.force:  # e.g. the score training wrote beside a checkpoint
         raise ConfigError(f"{out} exists; pass --out PATH, or --force to replace it")
-    if out.parent.exists() and not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: {out.parent} is not a directory")
+    above = next(a for a in out.absolute().parents if a.exists())  # where the path would start
+    if not above.is_dir():
+        raise ConfigError(f"--out {out}: {above} is a file, not a directory")
     target_spec = job.target
     if target_spec is None and job.checkpoint:
         target_spec = read_meta(job.checkpoint).get("target")
