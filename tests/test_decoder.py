@@ -176,6 +176,9 @@ def test_sampling_is_reproducible_with_a_seed(tiny_llama):
         ).tokens
 
     assert run(3) == run(3)
+    assert run(3) != run(4)  # it does sample: another seed, another text
+    greedy = generate(ModelSession(model), prompt, max_new_tokens=16).tokens
+    assert run(3) != greedy and run(4) != greedy
 
 
 def test_k_below_one_is_refused(tiny_llama):

@@ -175,6 +175,19 @@ def test_reduced_vocabulary_decoding_is_exact(target):
         session, prompt, drafter=drafter, params=params, generator=gen, max_new_tokens=16
     )
     assert all(0 <= t < target.vocab_size for t in sampled.tokens)
+    # q over the target's vocabulary is the draft's own distribution at its tokens' ids
+    drafter.configure("transformers")
+    drafter.begin(prompt)
+    proposal = drafter.propose(prompt, 3, params, torch.Generator().manual_seed(1))
+    ids = drafter.vocab_map
+    for i in range(len(proposal)):
+        context = torch.tensor([prompt + proposal.tokens[:i].tolist()])
+        with torch.no_grad():
+            own = torch.softmax(drafter.model(context).logits[0, -1].float(), -1)  # [D]
+        expected = torch.zeros(target.vocab_size)
+        expected[ids] = own
+        torch.testing.assert_close(proposal.probs[i], expected, atol=1e-5, rtol=1e-4)
+        assert int(proposal.tokens[i]) in ids.tolist()
 
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["full", "reduced"])

@@ -201,9 +201,34 @@ def test_training_mixes_continuations_and_resumes_on_the_same_rows(setup, tmp_pa
 
 def test_on_policy_settings_are_checked(setup, tmp_path):  # noqa: F811
     recipe_path = ROOT / "recipes" / "debug" / "tiny.yaml"
-    with pytest.raises(ConfigError, match=r"refresh_every=4: 4 is not below train\.max_steps \(4\)"):
+    with pytest.raises(
+        ConfigError, match=r"refresh_every=4: 4 is not below train\.max_steps \(4\)"
+    ):
         load_recipe(recipe_path, policy_args(setup, tmp_path, "data.on_policy.refresh_every=4"))
     with pytest.raises(ConfigError, match=r"prompts=1: 1 continuations cannot fill"):
         load_recipe(recipe_path, policy_args(setup, tmp_path, "data.on_policy.prompts=1"))
     off = ("data.on_policy.fraction=0", "data.on_policy.refresh_every=9")
     load_recipe(recipe_path, policy_args(setup, tmp_path, *off))  # off: nothing to check
+
+
+def test_eagle3_trains_on_its_own_continuations(setup, tmp_path):  # noqa: F811
+    from test_eagle3_training import overrides as eagle3_overrides
+
+    from specdec.training.loop import train
+
+    recipe = ROOT / "recipes" / "debug" / "tiny_eagle3.yaml"
+    run_dir = tmp_path / "run"
+    args = [
+        "data.on_policy.fraction=0.5",
+        "data.on_policy.refresh_every=2",
+        "data.on_policy.prompts=2",
+        "data.on_policy.max_new_tokens=6",
+        "train.save_every=100",
+    ]
+    train(load_recipe(recipe, eagle3_overrides(setup, run_dir, *args)))
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {m["step"]: m for m in lines if "train/loss" in m}
+    # rolled out before step 3; half of one micro-batch a step: the first at step 4
+    assert 1 <= by_step[3]["train/rollout_length"] <= 6
+    assert all("train/acc@1/drafter/on-policy" not in by_step[s] for s in (1, 2, 3))
+    assert 0 <= by_step[4]["train/acc@1/drafter/on-policy"] <= 1

@@ -72,6 +72,11 @@ def test_prompt_lookup_scores_and_writes_report(tiny_llama_dir, prompt_file, tmp
     assert set(result["per_category"]) == {"chat", "code"}
     assert out.with_suffix(".png").stat().st_size > 0
     assert "tau" in capsys.readouterr().out
+    # the cost ratios from their parts: a table lookup costs far less than a target step
+    step = result["target_step_seconds"]
+    per_draft = result["draft_seconds_per_round"] / result["mean_depth"]
+    assert result["c"] == pytest.approx(per_draft / step) and 0 <= result["c"] < 0.5
+    assert result["v"] == pytest.approx(result["verify_seconds_per_round"] / step)
 
 
 @pytest.mark.parametrize(
@@ -108,6 +113,8 @@ def test_draft_model_perfect_draft_scores_tau_k_plus_one(
     assert result["accept_rate_per_position"] == [1.0, 1.0, 1.0]
     assert result["greedy_match_rate"] == 1.0
     assert result["settings"]["draft_forward"] == forward
+    # 9 tokens: the prefill's, then two rounds of 3 accepted + 1 of the target's own
+    assert result["tau"] == 4.0
     assert result["settings"]["target_forward"] == target_forward
 
 

@@ -3,10 +3,8 @@ equivalence with gradient accumulation, and resuming a killed run."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -101,72 +99,75 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path):
+def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path, monkeypatch):
+    from specdec.data.build import load_training_data
+    from specdec.drafters.draft_model import build_draft_model
+    from specdec.drafters.vocabulary import token_counts
+    from specdec.target import FrozenTarget
     from specdec.training.loop import train
 
+    seen = []  # the target instance the run trains against
+    real = FrozenTarget.from_config.__func__
+
+    def capture(cls, cfg):
+        seen.append(real(cls, cfg))
+        return seen[-1]
+
+    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
     run_dir = tmp_path / "run"
-    recipe = load_recipe(RECIPE, overrides(setup, run_dir, "train.save_every=100"))
+    # the draft starts as a copy of target layers: a tensor shared with the target would
+    # train the target too
+    args = ("train.save_every=100", "drafter.init_from_target=true")
+    recipe = load_recipe(RECIPE, overrides(setup, run_dir, *args))
     target_before = load_file(setup / "target" / "model.safetensors")
     summary = train(recipe)
     assert summary["steps"] == 4
+    target = seen[0]
+    after = target.model.state_dict()
+    assert set(target_before) <= set(after)
+    for name, tensor in target_before.items():
+        assert torch.equal(after[name], tensor), f"target {name} changed"
+    assert all(not p.requires_grad for p in target.model.parameters())
+
     state = load_file(run_dir / "state" / "model.safetensors")
     ckpt = load_file(run_dir / "checkpoints" / "step-000004" / "model.safetensors")
     # the untrained drafter is rebuilt from the same seed: every tensor must have moved
     torch.manual_seed(recipe.run.seed)
-    from specdec.drafters.draft_model import build_draft_model
-    from specdec.target import FrozenTarget
-
-    target = FrozenTarget.from_config(recipe.target)
-    from specdec.data.build import load_training_data
-    from specdec.drafters.vocabulary import token_counts
-
     dataset, _ = load_training_data(recipe, target.tokenizer)
     fresh = build_draft_model(target, recipe.drafter, token_counts(dataset, target.vocab_size))
     assert set(state) == {f"lm.{name}" for name in fresh.model.state_dict()}
+    assert set(ckpt) == set(fresh.model.state_dict())
     for name, before in fresh.model.state_dict().items():
-        if name in ckpt:
-            assert not torch.equal(before, ckpt[name]), f"{name} did not change"
-            assert torch.equal(state[f"lm.{name}"], ckpt[name])
-    for name, tensor in target.model.state_dict().items():
-        if name in target_before:
-            assert torch.equal(tensor, target_before[name]), f"target {name} changed"
-    assert all(not p.requires_grad for p in target.model.parameters())
+        assert not torch.equal(before, ckpt[name]), f"{name} did not change"
+        assert torch.equal(state[f"lm.{name}"], ckpt[name])
     assert (run_dir / "best.json").exists() and (run_dir / "best").resolve().is_dir()
     score = json.loads((run_dir / "checkpoints" / "step-000004" / "score.json").read_text())
     assert score["greedy_match_rate"] == 1.0
 
 
 def test_ddp_two_processes_match_one_with_accumulation(setup, tmp_path):
-    one = launch(overrides(setup, tmp_path / "one", "train.grad_accum=2", "train.save_every=100"))
+    args = ("train.save_every=100", "train.warmup_steps=0")  # the first update counts too
+    one = launch(overrides(setup, tmp_path / "one", "train.grad_accum=2", *args))
     finish(one)
-    two = launch(
-        overrides(setup, tmp_path / "two", "train.grad_accum=1", "train.save_every=100"),
-        processes=2,
-    )
+    two = launch(overrides(setup, tmp_path / "two", "train.grad_accum=1", *args), processes=2)
     finish(two)
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
     for (_, x), (_, y) in zip(a, b, strict=True):
         assert x == pytest.approx(y, rel=1e-4, abs=1e-6)
+    # AdamW hides a gradient scaled by the process count; the logged norm does not
+    norms = [metric(tmp_path / run, "train/grad_norm") for run in ("one", "two")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+    w1 = load_file(tmp_path / "one" / "state" / "model.safetensors")
+    w2 = load_file(tmp_path / "two" / "state" / "model.safetensors")
+    assert set(w1) == set(w2)
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)
 
 
-def test_resume_after_sigkill_continues_identically(setup, tmp_path):
-    args = ["train.max_steps=12", "train.save_every=2"]
-    finish(launch(overrides(setup, tmp_path / "whole", *args)))
-    run_dir = tmp_path / "killed"
-    proc = launch(overrides(setup, run_dir, *args), start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and not (run_dir / "checkpoints" / "step-000002").exists():
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert (run_dir / "state").is_dir()
-    assert losses(run_dir)[-1][0] < 12  # killed mid-run
-    out = finish(launch(overrides(setup, run_dir, *args)))
-    assert "resumed" in out
-    got, expected = losses(run_dir), losses(tmp_path / "whole")
-    assert [s for s, _ in got] == [s for s, _ in expected] == list(range(1, 13))
-    assert [x for _, x in got] == pytest.approx([x for _, x in expected], rel=1e-6)
+def metric(run_dir: Path, key: str) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m[key] for m in lines if key in m]
 
 
 def test_kept_responses_train_beside_regenerated_ones(setup, tmp_path):
