@@ -29,19 +29,21 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path``, atomically and durably."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
+    f = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed below, removed on failure
         "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
         delete=False,
-    ) as f:  # fmt: skip
-        try:
+    )  # fmt: skip
+    tmp = Path(f.name)
+    try:
+        with f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    normal_mode(Path(f.name))
-    os.replace(f.name, path)
+        normal_mode(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # nothing half written stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
     return path
 

@@ -47,7 +47,7 @@ from transformers import (
 
 from specdec import assets
 from specdec.assets import SMOLLM2_135M_GGUF, PackagedFile
-from specdec.errors import ModelError
+from specdec.errors import ModelError, first_line
 from specdec.files import normal_mode
 from specdec.layers import resolve_layer
 
@@ -145,8 +145,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     src, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    except (OSError, ValueError, KeyError) as err:  # not GGUF, or a layout transformers lacks
+        raise ModelError(f"{gguf_path}: not a GGUF model ({first_line(err)})") from None
     # transformers refuses to save a model that still carries its GGUF quantizer, although the
     # weights are already dequantized to plain tensors
     model.hf_quantizer = None

@@ -211,3 +211,26 @@ def test_run_output_dir_that_is_a_file(capsys, recipe, tmp_path):
     err = error_line(capsys, ["train", "--config", path])
     assert err == f"specdec: error: run.output_dir: {tmp_path / 'taken'} is a file, not a directory"
     assert (tmp_path / "taken").read_text() == "mine"
+
+
+def test_fake_gguf_target(capsys, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a gguf")
+    argv = ["score", "--drafter", "prompt_lookup", "--target", str(fake), "--num-prompts", "1"]
+    err = error_line(capsys, argv)
+    assert err.startswith(f"specdec: error: {fake}: not a GGUF model (")
+    assert "GGUF magic bytes" in err
+
+
+def test_reduced_checkpoint_with_a_garbage_config(capsys, tmp_path, tiny_llama_dir):
+    from specdec.drafters.draft_model import DraftModelConfig, build_draft_model
+    from specdec.target import FrozenTarget
+
+    target = FrozenTarget.load(str(tiny_llama_dir))
+    counts = torch.arange(target.vocab_size, 0, -1)
+    drafter = build_draft_model(target, DraftModelConfig(num_layers=1, draft_vocab_size=64), counts)
+    ckpt = drafter.save(tmp_path / "ckpt", target_name=str(tiny_llama_dir))
+    (ckpt / "config.json").write_text("{ garbage")
+    out = tmp_path / "score.json"
+    err = error_line(capsys, ["score", "--checkpoint", str(ckpt), "--out", str(out)])
+    assert err.startswith(f"specdec: error: {ckpt}: unreadable checkpoint (")

@@ -76,9 +76,10 @@ def test_every_field_has_help():
     assert {PromptSource, RegenerateConfig, DataConfig} <= set(classes)
 
 
-def test_empty_yaml_gives_defaults(write):
-    assert load_recipe(write("")) == Recipe()
-    assert load_recipe(write("# only a comment\n")) == Recipe()
+def test_empty_yaml_is_refused_an_empty_section_gives_defaults(write):
+    for text in ("", "# only a comment\n"):  # not silently the default recipe
+        with pytest.raises(ConfigError, match=r"r\.yaml: empty; a recipe names at least"):
+            load_recipe(write(text))
     assert load_recipe(write("train:\n")) == Recipe()
 
 
