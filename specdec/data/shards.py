@@ -19,7 +19,6 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import datasets
 
 from specdec.errors import DataError
+from specdec.files import write_text
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +138,9 @@ def locked(out: Path) -> Iterator[None]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``<name>.tmp``, fsynced before the ``os.replace``,
-    so a killed run leaves the old file or the whole new one (:func:`resume` clears ``*.tmp``)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` atomically and durably (:func:`specdec.files.write_text`): a
+    killed run leaves the old file or the whole new one (:func:`resume` clears ``*.tmp``)."""
+    write_text(path, text)
 
 
 class ShardWriter:
