@@ -2,6 +2,7 @@
 over the full vocabulary, bounded for the lossy storage), resuming after a kill without
 duplicates, refusing caches of something else, and training from it equal to training online."""
 
+import fcntl
 import json
 import os
 import signal
@@ -240,6 +241,17 @@ def test_sigkill_while_caching_resumes_without_duplicates_or_losses(target, tmp_
     for i in range(12):
         a, b = cache.row(i), whole.row(i)
         assert all(torch.equal(a[key], b[key]) for key in a), i
+
+
+def test_a_cache_another_process_is_writing_is_refused(target, tmp_path):
+    out = tmp_path / "c"
+    out.mkdir()
+    with (out / ".lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a second writer's run would hold it
+        with pytest.raises(DataError, match="being written by another process"):
+            make(target, rows(n=4), out, top_k=8, shard_rows=1)
+        assert not list(out.glob("shard-*")), "the refused writer wrote"
+    assert len(make(target, rows(n=4), out, top_k=8, shard_rows=1).shards) == 4
 
 
 def test_refuses_a_cache_of_something_else(target, tmp_path):

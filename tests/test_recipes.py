@@ -26,7 +26,6 @@ def test_shipped_files_are_found():
         "cpu.yaml",
         "single_gpu.yaml",
         "multi_gpu.yaml",
-        "fsdp.yaml",
     }
 
 
@@ -55,8 +54,6 @@ def test_accelerate_config(path):
     config = load_config_from_file(str(path))
     assert config.compute_environment.value == "LOCAL_MACHINE"
     assert config.num_processes >= 1
-    if raw["distributed_type"] == "FSDP":
-        assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert config.use_cpu == (path.name == "cpu.yaml")
 
 

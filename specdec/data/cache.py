@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from specdec.data.shards import MANIFEST, read_manifest, write_atomic
+from specdec.data.shards import MANIFEST, locked, read_manifest, write_atomic
 from specdec.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,14 @@ def build_cache(target, dataset, fp: dict, out: Path, batch_size: int, progress=
     there. Returns the manifest.
 
     Raises:
-        DataError: ``out`` holds a cache made for something else, or files that are not one.
+        DataError: ``out`` holds a cache made for something else, or files that are not one,
+            or another process is writing it.
     """
-    out.mkdir(parents=True, exist_ok=True)
+    with locked(out):  # two writers would clear each other's shards in progress
+        return _build(target, dataset, fp, out, batch_size, progress)
+
+
+def _build(target, dataset, fp: dict, out: Path, batch_size: int, progress: bool) -> dict:
     manifest = read_manifest(out, FORMAT)
     if manifest is None:
         if any(out.glob("shard-*")):

@@ -49,6 +49,15 @@ from specdec.training.trackers import MetricsLog
 logger = logging.getLogger(__name__)
 
 
+#: why an FSDP launch is refused rather than half-run
+FSDP_REFUSED = (
+    "accelerate launch with distributed_type FSDP: not supported; every save scores the "
+    "checkpoint on the main process alone, which a drafter sharded across processes cannot "
+    "run, and without CUDA accelerate would silently train plain DDP; launch with "
+    "recipes/accelerate/multi_gpu.yaml (DDP: each process holds a whole drafter)"
+)
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     precision = recipe.train.mixed_precision
     if precision == "auto":
@@ -111,6 +120,8 @@ def setup(recipe: Recipe) -> Run:
         )
     if not recipe.eval.prompts:
         raise ConfigError("eval.prompts: empty; checkpoints are scored on held-out prompts")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        raise ConfigError(FSDP_REFUSED)
     cfg, run_dir = recipe.train, recipe.run_dir
     accelerator = make_accelerator(recipe)
     if accelerator.is_main_process:
