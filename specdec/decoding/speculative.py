@@ -39,6 +39,10 @@ class Generation:
         accepted: per round, the number of draft tokens accepted.
         paths: per tree round, the accepted path as sibling ranks (``(0, 1)``: the first child
             of the root, then that node's second child); chain rounds add nothing.
+        overlaps: per sampled chain round, for each drafted position i, sum_x min(p_i, q_i)
+            (p the target's, q the draft's distribution; one-hot q for a deterministic draft):
+            the probability that position i is accepted given the positions before it were.
+            Greedy and tree rounds add nothing.
         draft_seconds / verify_seconds / round_seconds: per-round times (round = draft +
             verify forward + acceptance and bookkeeping).
         keep_seconds: per round, the time spent compacting the target's cache to the kept
@@ -53,6 +57,7 @@ class Generation:
     depths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     paths: list[tuple[int, ...]] = field(default_factory=list)
+    overlaps: list[list[float]] = field(default_factory=list)
     draft_seconds: list[float] = field(default_factory=list)
     verify_seconds: list[float] = field(default_factory=list)
     round_seconds: list[float] = field(default_factory=list)
@@ -140,7 +145,12 @@ def generate(
             if params.greedy:
                 n, new = verify_greedy(draft, logits)
             else:
-                n, new = verify_sampling(draft, q, probabilities(logits, params), generator)
+                p = probabilities(logits, params)
+                n, new = verify_sampling(draft, q, p, generator)
+                if own:
+                    out.overlaps.append(
+                        overlap(p[:own], q[:own] if q is not None else None, draft[:own])
+                    )
             kept, rows = range(len(sequence) + n), slice(0, n + 1)
         t2 = clock()
         target.keep(kept)
@@ -161,6 +171,15 @@ def generate(
     out.target_forward_seconds = target.forward_seconds - target_start
     out.draft_forward_seconds = (drafter.draft_seconds - draft_start) if drafter else 0.0
     return out
+
+
+def overlap(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor) -> list[float]:
+    """``sum_x min(p_i(x), q_i(x))`` for each of the ``[n, V]`` rows: position i's chance of
+    acceptance given the context before it (Leviathan et al. 2023, sec. 3.1: beta). A
+    deterministic draft (q None) is one-hot at its token, so the overlap is p_i(token)."""
+    if q is None:
+        return p[torch.arange(len(draft), device=p.device), draft].tolist()
+    return torch.minimum(p, q.to(p.dtype)).sum(dim=-1).tolist()
 
 
 def _chain(proposal, device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -55,6 +55,44 @@ def acceptance(gens: Sequence[Generation], k: int) -> dict:
     }
 
 
+EXPECTED_KEYS = ("expected_alpha", "expected_accept_rate_per_position", "expected_tau")
+
+
+def expected_acceptance(gens: Sequence[Generation], k: int) -> dict:
+    """Acceptance computed from p and q along the decoded text (sampled chain rounds only):
+    ``beta_i = sum_x min(p_i, q_i)`` is position i's acceptance probability given the draft
+    before it, so ``prod_{j <= i} beta_j`` is the round's probability of accepting at least i
+    tokens. Averaged over rounds these estimate accept@i and alpha with far less variance than
+    the counted accepts (every round contributes a probability, not a 0/1 outcome).
+
+    Returns:
+        ``{"expected_alpha", "expected_accept_rate_per_position", "expected_tau"}``: alpha is
+        the mean beta over all drafted positions; accept@i the mean of the products over the
+        rounds that drafted position i; tau ``1 + sum_i`` of the per-round products (the bonus
+        token plus the expected accepted length). None where no round was sampled.
+    """
+    rounds = [r for g in gens for r in g.overlaps]
+    if not rounds:
+        return dict.fromkeys(EXPECTED_KEYS)
+    betas = [b for r in rounds for b in r]
+    products = []
+    for r in rounds:
+        run, acc = 1.0, []
+        for b in r:
+            run *= b
+            acc.append(run)
+        products.append(acc)
+    per_position = []
+    for i in range(k):
+        reached = [p[i] for p in products if len(p) > i]
+        per_position.append(_ratio(sum(reached), len(reached)))
+    return {
+        "expected_alpha": _ratio(sum(betas), len(betas)),
+        "expected_accept_rate_per_position": per_position,
+        "expected_tau": 1 + _ratio(sum(sum(p) for p in products), len(products)),
+    }
+
+
 def timing(method: Sequence[Generation], baseline: Sequence[Generation]) -> dict:
     """Throughput of method and baseline over the same prompts, and where the time went."""
     m_tokens = sum(len(g.tokens) for g in method)
