@@ -54,6 +54,7 @@ def _score(args: argparse.Namespace) -> None:
         dtype=recipe.target.dtype,
         max_ngram=args.max_ngram or getattr(recipe.drafter, "max_ngram", None),
         force=args.force,
+        certify=args.certify,
     )
     settings = ScoreSettings.from_eval(ev, shape_verify=not args.exact_verify_length)
     result = run_scoring(job, settings)
@@ -91,6 +92,56 @@ def _score_recipe(args: argparse.Namespace):
             if message.startswith(f"--set {override}:"):
                 message = flag + message[len(f"--set {override}") :]
         raise ConfigError(message) from None
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from specdec.scoring.suite import EvalJob, read_results, run_eval, write_results
+    from specdec.scoring.suite_report import compare, write_report
+
+    job = EvalJob(
+        methods=args.method,
+        out=args.out,
+        prompts=[p for p in (args.prompts or "").split(",") if p],
+        suite=args.suite,
+        category_column=args.category_column,
+        num_prompts=args.num_prompts,
+        warmup=args.warmup,
+        ks=_numbers(args.k, int, "--k"),
+        temperatures=_numbers(args.temperature, float, "--temperature"),
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        target=args.target,
+        dtype=args.dtype,
+        cache_dir=args.cache_dir,
+        max_ngram=args.max_ngram,
+        target_forward=args.target_forward,
+        draft_forward=args.draft_forward,
+        draft_confidence=args.draft_confidence,
+        bootstrap=args.bootstrap,
+        certify=args.certify,
+        force=args.force,
+    )
+    job.check()  # flags and method specs, before the earlier results or any model are read
+    old = read_results(args.compare) if args.compare else None
+    results = run_eval(job)
+    out = Path(args.out)
+    write_results(results, out)
+    paths = write_report(results, out, old)
+    print((out / "report.md").read_text())
+    if old is not None:
+        print("\n".join(compare(old, results)))
+    print(f"wrote {out / 'results.json'}, " + ", ".join(str(p) for p in paths))
+
+
+def _numbers(text: str, kind: type, flag: str) -> list:
+    from specdec.errors import ConfigError
+
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: expected comma-separated {kind.__name__}s") from None
 
 
 def _fetch(args: argparse.Namespace) -> None:
@@ -236,7 +287,59 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", help="specdec cache (default $SPECDEC_CACHE or ~/.cache)")
     s.add_argument("--out", help="score.json path (default: beside the checkpoint, or ./)")
     s.add_argument("--force", action="store_true", help="replace an existing score file")
+    s.add_argument(
+        "--certify",
+        type=int,
+        default=0,
+        help="samples of the T=1 losslessness test recorded in score.json (0: greedy only)",
+    )
     s.set_defaults(func=_score)
+
+    v = sub.add_parser(
+        "eval", help="compare methods side by side over a prompt suite (report, plots)"
+    )
+    v.add_argument(
+        "--method",
+        action="append",
+        required=True,
+        help="repeatable: plain, generate, prompt_lookup, a checkpoint dir, draft_model:PATH, "
+        "prompt_lookup+PATH, hf_assisted:PATH, hf_prompt_lookup (plain and generate always run)",
+    )
+    v.add_argument("--out", required=True, help="directory for results.json, report.md, plots")
+    v.add_argument("--prompts", help="comma-separated prompt files, packaged names or hub ids")
+    v.add_argument("--suite", help="a built-in suite: spec (mtbench,humaneval), mtbench, "
+                   "humaneval, chat")  # fmt: skip
+    v.add_argument("--category-column", help="the column of a prompt file that names categories")
+    v.add_argument("--num-prompts", type=int, default=16, help="prompts measured (default 16)")
+    v.add_argument("--warmup", type=int, default=1, help="prompts decoded first and dropped")
+    v.add_argument("--k", default="4", help="draft tokens per round, comma-separated sweep")
+    v.add_argument("--temperature", default="0", help="comma-separated sweep (0: greedy)")
+    v.add_argument("--top-k", type=int, default=0)
+    v.add_argument("--top-p", type=float, default=1.0)
+    v.add_argument("--max-new-tokens", type=int, default=128)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--target", help="target model (default: the checkpoints', else SmolLM2)")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    v.add_argument("--cache-dir")
+    v.add_argument("--max-ngram", type=int, help="prompt lookup's longest n-gram")
+    v.add_argument("--target-forward", default="auto", help="auto, compact or transformers")
+    v.add_argument("--draft-forward", default="auto", help="auto, compact or transformers")
+    v.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=0.0,
+        help="drafters stop a chain once its probability falls below this (0: all k)",
+    )
+    v.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    v.add_argument(
+        "--certify",
+        type=int,
+        default=0,
+        help="samples of the T=1 losslessness test per drafter method (0: greedy only)",
+    )
+    v.add_argument("--compare", metavar="OLD.json", help="an earlier results.json to diff against")
+    v.add_argument("--force", action="store_true", help="replace results in --out")
+    v.set_defaults(func=_eval)
 
     f = sub.add_parser("fetch", help="download, verify and cache the target and prompt sets")
     f.add_argument("--target", default="smollm2-135m-instruct")

@@ -300,3 +300,19 @@ def test_greedy_decoding_with_a_confident_draft_is_exact(target):
     assert drafted.tokens == plain
     rounds = drafted.drafted[:-1]  # the last round may have no room left to draft
     assert min(rounds) >= 1 and max(rounds) <= 4 and min(rounds) < 4
+
+
+def test_a_sequence_already_in_the_drafts_cache_is_drafted_after(target):
+    """The next round's sequence may be wholly in the draft's cache (every draft token it fed
+    kept): the draft re-feeds the last token instead of extending by nothing."""
+    drafter = build_draft_model(target, DraftModelConfig(num_layers=1))
+    prompt = target.tokenizer("The quick brown fox").input_ids
+    drafter.begin(prompt)
+    first = drafter.propose(prompt, 3, SamplingParams()).tokens.tolist()
+    sequence = prompt + first[:2]  # the draft fed first[0] and first[1] to draft first[2]
+    drafter.commit(2)
+    again = drafter.propose(sequence, 3, SamplingParams()).tokens.tolist()
+    fresh = build_draft_model(target, DraftModelConfig(num_layers=1))
+    fresh.begin(sequence)
+    assert again == fresh.propose(sequence, 3, SamplingParams()).tokens.tolist()
+    assert again[0] == first[2]

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import tiny_models
+import torch
 
 from specdec.cli import main
 
@@ -116,6 +117,25 @@ def test_draft_model_perfect_draft_scores_tau_k_plus_one(
     # 9 tokens: the prefill's, then two rounds of 3 accepted + 1 of the target's own
     assert result["tau"] == 4.0
     assert result["settings"]["target_forward"] == target_forward
+    greedy = result["certificate"]["greedy"]
+    assert (greedy["prompts"], greedy["identical"], greedy["failures"]) == (2, 2, [])
+    assert result["certificate"]["passed"] is True
+
+
+def test_score_records_the_sampling_certificate(prompt_file, tmp_path):
+    model, tokenizer = tiny_models.tiny_llama()
+    with torch.no_grad():  # a random tiny model's law is too flat to test with 1,000 draws
+        model.lm_head.weight.mul_(25.0)
+    sharp = str(tiny_models.save_tiny(model, tokenizer, tmp_path / "sharp"))
+    out = tmp_path / "score.json"
+    args = ("--draft-model", sharp, "--target", sharp, "--prompts", prompt_file)
+    code = score(*args, "--num-prompts", 2, "--temperature", 1, "--certify", 2000, "--out", out)
+    assert code == 0
+    cert = json.loads(out.read_text())["certificate"]
+    assert "greedy" not in cert  # sampled outputs are not compared token for token
+    assert cert["sampling"]["samples"] == 2000 and cert["sampling"]["p_value"] >= 1e-3
+    assert cert["sampling"]["dof"] > 10
+    assert cert["passed"] is True
 
 
 def one_line_error(capsys, *args) -> str:

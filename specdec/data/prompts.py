@@ -261,6 +261,7 @@ def load_prompt_rows(
     split: str = "train",
     limit: int | None = None,
     cache: str | os.PathLike | None = None,
+    category_key: str | None = None,
 ) -> list[dict]:
     """Prompt rows from a packaged pool, a local file or a hub dataset.
 
@@ -271,6 +272,8 @@ def load_prompt_rows(
         split: hub dataset split.
         limit: keep the first ``limit`` usable rows.
         cache: specdec cache directory for packaged pools.
+        category_key: the column every row of a file or dataset must have, read as its
+            ``category`` (None: ``category`` where a row has one).
 
     Returns:
         Rows ``{"messages", "category", "id"}`` (plus ``turns`` where the source has them);
@@ -280,6 +283,8 @@ def load_prompt_rows(
     Raises:
         DataError: a missing file, a malformed row (named), or no usable row.
     """
+    if category_key and (source in PACKAGED or source == "python_functions"):
+        raise DataError(f"{source}: a packaged prompt set; its rows have their own category")
     if source in PACKAGED or source == "python_functions":
         rows = python_functions() if source == "python_functions" else PACKAGED[source].load(cache)
         return rows[:limit] if limit is not None else rows
@@ -297,11 +302,14 @@ def load_prompt_rows(
     rows, empty = [], 0
     for i, record in enumerate(records, start=1):
         where = f"{name} row {i}"
+        if category_key and category_key not in record:
+            raise DataError(f"{where}: no '{category_key}' column")
         messages = to_messages(record, fmt, where=where)
         if not any(m["content"].strip() for m in prompt_messages(messages, where=where)):
             empty += 1
             continue
-        row = {"messages": messages, "category": str(record.get("category") or default)}
+        label = record[category_key] if category_key else record.get("category")
+        row = {"messages": messages, "category": str(label or default)}
         row["id"] = str(record.get("id", record.get("question_id", i)))
         if isinstance(record.get("turns"), list):
             row["turns"] = list(record["turns"])

@@ -16,6 +16,7 @@ from specdec.drafters.base import Drafter, Proposal, Teacher, TrainableDrafter
 from specdec.drafters.checkpoint import read_meta
 from specdec.drafters.draft_model import DraftModelDrafter, load_draft_model
 from specdec.drafters.eagle3 import Eagle3Drafter
+from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.vocabulary import token_counts
 from specdec.errors import ConfigError, ModelError
@@ -98,6 +99,34 @@ def from_model(model, target) -> Drafter:
     return DraftModelDrafter(model, vocab, tokenizer=target.tokenizer)
 
 
+#: how method specs (``specdec eval``) name a hybrid over another drafter, and a transformers
+#: causal LM drafting as a draft model: ``prompt_lookup+PATH``, ``draft_model:PATH``
+HYBRID_PREFIX = PromptLookupDrafter.name + "+"
+MODEL_PREFIX = DraftModelDrafter.name + ":"
+
+
+def hybrid(inner: Drafter, **lookup_settings) -> Drafter:
+    """Prompt lookup first, ``inner`` where it finds no continuation worth proposing (see
+    :class:`~specdec.drafters.hybrid.HybridDrafter`).
+
+    Args:
+        inner: the drafter of the rounds prompt lookup leaves.
+        lookup_settings: ``max_ngram`` and ``min_ngram`` of prompt lookup, ``min_match`` of
+            the hybrid; None keeps the default (a command's unset flags).
+
+    Raises:
+        ConfigError: an unknown setting, or a value out of range.
+    """
+    settings = {k: v for k, v in lookup_settings.items() if v is not None}
+    min_match = settings.pop("min_match", 2)
+    if unknown := set(settings) - {"max_ngram", "min_ngram"}:
+        raise ConfigError(f"unknown prompt lookup settings {sorted(unknown)}")
+    try:
+        return HybridDrafter(PromptLookupDrafter(**settings), inner, min_match=min_match)
+    except ValueError as err:
+        raise ConfigError(f"prompt lookup: {err}") from None
+
+
 def training_free() -> list[str]:
     """The families that need no training (baselines every trained drafter must beat)."""
     return [name for name in REGISTRY if not is_trainable(name)]
@@ -105,8 +134,11 @@ def training_free() -> list[str]:
 
 __all__ = [
     "DEFAULT_FAMILY",
+    "HYBRID_PREFIX",
+    "MODEL_PREFIX",
     "REGISTRY",
     "Drafter",
+    "HybridDrafter",
     "Proposal",
     "Teacher",
     "TrainableDrafter",
@@ -116,6 +148,7 @@ __all__ = [
     "drafter_class",
     "family_of",
     "from_model",
+    "hybrid",
     "is_trainable",
     "load",
     "training_free",

@@ -95,7 +95,13 @@ class Drafter:
     def commit(self, num_accepted: int, target_features: dict | None = None) -> None:
         """The target accepted ``num_accepted`` tokens of the last proposal and added one of
         its own. ``target_features`` covers the positions newly in the target's cache: the
-        token before the proposal and the accepted ones (``{layer: [n + 1, H]}``)."""
+        token before the proposal and the accepted ones (``{layer: [n + 1, H]}``).
+
+        Every round is committed, also one in which this drafter proposed nothing (no budget
+        left) or another drafter's proposal was verified (a
+        :class:`~specdec.drafters.hybrid.HybridDrafter`'s prompt lookup rounds): a drafter
+        advances its state with these features and the next ``propose``'s sequence, never by
+        assuming that its own last draft was the one verified."""
 
     @property
     def draft_seconds(self) -> float:

@@ -271,7 +271,11 @@ class DraftModelDrafter(TrainableDrafter):
     ) -> Proposal:
         if self._fed is not None:
             self._keep_accepted(sequence)
-        logits = self.session.extend(self.session.sync(sequence), last_only=True)[-1]
+        new = self.session.sync(sequence)
+        if not new:  # the cache holds the whole sequence: re-feed its last token for logits
+            self.session.rollback(len(sequence) - 1)
+            new = list(sequence[-1:])
+        logits = self.session.extend(new, last_only=True)[-1]
 
         def fit(logits: torch.Tensor) -> torch.Tensor:
             return logits if self.vocab_map is not None else _fit(logits, self.target_vocab_size)

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec import drafters
+from specdec.data.chat import prompt_messages
 from specdec.drafters import Drafter, read_meta
 from specdec.errors import ConfigError, DataError
 from specdec.files import write_json
 from specdec.scoring import report
-from specdec.scoring.run import ScoreSettings, score
+from specdec.scoring.run import ScoreSettings, encode_prompt, score
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class ScoreJob:
     dtype: str = "float32"
     max_ngram: int | None = None
     force: bool = False  # replace an existing score file
+    certify: int = 0  # samples of the T = 1 losslessness test (0: greedy identity only)
 
     @property
     def out_path(self) -> Path:
@@ -59,13 +61,16 @@ def _check_training_free(name: str) -> None:
         )
 
 
-def load_prompts(sources: tuple[str, ...], num_prompts: int, cache_dir=None) -> list[dict]:
-    """``num_prompts`` rows taken round-robin from the sources, so every source is present."""
+def load_prompts(
+    sources: tuple[str, ...], num_prompts: int, cache_dir=None, category_key: str | None = None
+) -> list[dict]:
+    """``num_prompts`` rows taken round-robin from the sources, so every source is present;
+    ``category_key`` names the column files give each row's category in."""
     from specdec.data.prompts import load_prompt_rows
 
     if num_prompts < 1:
         raise ConfigError(f"num_prompts: must be >= 1, got {num_prompts}")
-    pools = [load_prompt_rows(src, cache=cache_dir) for src in sources]
+    pools = [load_prompt_rows(src, cache=cache_dir, category_key=category_key) for src in sources]
     for src, pool in zip(sources, pools, strict=True):
         for row in pool:
             row.setdefault("category", row.get("category") or Path(src).stem)
@@ -85,6 +90,8 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     settings.check()
     if job.num_prompts < 1:
         raise ConfigError(f"num_prompts: must be >= 1, got {job.num_prompts}")
+    if job.certify < 0:
+        raise ConfigError(f"--certify {job.certify}: expected >= 0")
     chosen = [x for x in (job.checkpoint, job.drafter, job.draft_model) if x]
     if len(chosen) != 1:
         raise ConfigError("give exactly one of --checkpoint, --drafter or --draft-model")
@@ -106,6 +113,19 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     # prompt rows take the warm-up on top of the requested count
     rows = load_prompts(job.prompts, job.num_prompts + settings.warmup_prompts, job.cache_dir)
     result = score(target.model, target.tokenizer, drafter, rows, settings)
+    if job.certify:
+        from specdec.scoring.certificate import sampling_certificate
+
+        prompts = [encode_prompt(target.tokenizer, prompt_messages(r["messages"])) for r in rows]
+        sampling = sampling_certificate(
+            target.model, target.tokenizer, drafter, prompts[settings.warmup_prompts :][:4],
+            job.certify, k=settings.k, temperature=settings.temperature or 1.0,
+            top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed,
+            target_forward=settings.target_forward,
+        )  # fmt: skip
+        cert = result.setdefault("certificate", {})
+        cert["sampling"] = sampling
+        cert["passed"] = cert.get("passed", True) and sampling["passed"]
     result["target"] = target.name
     result["prompts"] = list(job.prompts)
     write_json(out, result)

@@ -51,6 +51,17 @@ def table(result: dict) -> str:
                     f"top-2 margin {d.get('top2_margin', float('nan')):.2e}",
                 )
             )
+    for kind, cert in (result.get("certificate") or {}).items():
+        if kind == "greedy":
+            rows.append(
+                ("certificate, greedy", f"{cert['identical']}/{cert['prompts']} identical, "
+                 f"{len(cert['near_ties'])} near-ties, {len(cert['failures'])} failures")
+            )  # fmt: skip
+        elif kind == "sampling":
+            rows.append(
+                ("certificate, T=1 test", f"{cert['samples']} samples, p = {cert['p_value']:.3g}"
+                 f" ({'passed' if cert['passed'] else 'FAILED'})")
+            )  # fmt: skip
     profile = result.get("cost_profile_ratio", {})
     rows.append(("verify cost, m tokens / 1", " ".join(f"{m}:{r:.2f}" for m, r in profile.items())))
     for cat, r in result.get("per_category", {}).items():

@@ -199,7 +199,13 @@ def score(
     result["cost_profile_seconds"] = profile
     result["verify_lengths"] = lengths
     result["cost_profile_ratio"] = {m: t / profile[1] for m, t in profile.items()}
-    result.update(_divergence_margins(model, encoded[warm:], baseline, result["divergences"]))
+    result.update(divergence_margins(model, encoded[warm:], baseline, result["divergences"]))
+    if settings.temperature == 0:
+        from specdec.scoring.certificate import greedy_certificate, tie_margin_for
+
+        margin = tie_margin_for(next(model.parameters()).dtype)
+        greedy = greedy_certificate(result["divergences"], len(baseline), margin)
+        result["certificate"] = {"greedy": greedy, "passed": greedy["passed"]}
     result["per_category"] = _per_category(kept, method, baseline, settings)
     result["num_prompts"] = len(kept)
     result["warmup_prompts"] = warm
@@ -239,6 +245,7 @@ def calibrated_tree(calibration: Sequence[Generation], verify_costs: tuple[float
 def summarize(method: list[Generation], baseline: list[Generation], settings) -> dict:
     """Acceptance, timing, cost ratios, bound and identity for matched generations."""
     out = metrics.acceptance(method, settings.k)
+    out.update(metrics.expected_acceptance(method, settings.k))  # None at T = 0
     out.update(metrics.timing(method, baseline))
     step = out["target_step_seconds"]
     # c: one draft forward (a chain drafts a token per forward, a tree a depth per forward)
@@ -274,7 +281,7 @@ def _per_category(rows, method, baseline, settings) -> dict:
 
 
 @torch.inference_mode()
-def _divergence_margins(model, encoded, baseline, divergences) -> dict:
+def divergence_margins(model, encoded, baseline, divergences) -> dict:
     """At each greedy divergence, the target's top-2 logit margin: a tiny margin means the
     two runs differ by floating-point noise between verify and single-token forwards."""
     for d in divergences:

@@ -1,0 +1,210 @@
+"""The methods ``specdec eval`` compares, named on its command line, and how each decodes.
+
+A method is specdec's decoder with a drafter, or transformers' own ``generate``:
+
+- ``plain``: specdec's decoder without a drafter (the baseline of every speedup);
+- ``generate``: transformers' ``generate()`` without a drafter (its baseline);
+- a training-free family by name (``prompt_lookup``);
+- ``PATH`` or ``checkpoint:PATH``: a trained specdec checkpoint;
+- ``draft_model:PATH``: any transformers causal LM sharing the target's tokenizer, drafting
+  through specdec's decoder;
+- ``prompt_lookup+PATH`` / ``prompt_lookup+draft_model:PATH``: prompt lookup where the context
+  holds a match, the other drafter elsewhere;
+- ``hf_assisted:PATH``: transformers' assisted generation with that draft model;
+- ``hf_prompt_lookup``: transformers' prompt lookup decoding.
+
+Specs are parsed (:func:`parse`) before any model loads, so a method that does not exist, a
+missing path or a checkpoint of another target fails in one line first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec import drafters
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.speculative import Generation
+from specdec.drafters.checkpoint import CHECKPOINT_FILE
+from specdec.errors import ConfigError, ModelError
+
+PLAIN, GENERATE = "plain", "generate"
+CHECKPOINT, HF_ASSISTED, HF_PROMPT_LOOKUP = "checkpoint:", "hf_assisted:", "hf_prompt_lookup"
+DRAFT_MODEL, HYBRID = drafters.MODEL_PREFIX, drafters.HYBRID_PREFIX
+
+
+@dataclass
+class Method:
+    """One method of an evaluation.
+
+    Attributes:
+        name: the spec as given (the key of its results).
+        kind: ``plain``, ``drafter`` (specdec's decoder with a drafter) or ``transformers``.
+        source: what to load: a checkpoint directory, a model path or id, a family name.
+        load: ``checkpoint``, ``model`` or ``family`` (for ``drafter``); for ``transformers``,
+            ``assisted``, ``lookup`` or ``plain``.
+        hybrid: prompt lookup in front of the drafter.
+        drafter: the loaded drafter (``drafter`` kind).
+        assistant: the loaded draft model (``hf_assisted``).
+    """
+
+    name: str
+    kind: str
+    source: str | None = None
+    load: str | None = None
+    hybrid: bool = False
+    drafter: object = None
+    assistant: object = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def speculative(self) -> bool:
+        """Whether the method drafts (it has an acceptance to report)."""
+        return self.kind == "drafter" or self.load in ("assisted", "lookup")
+
+
+def parse(spec: str) -> Method:
+    """The method a command-line spec names, checked without loading any model.
+
+    Raises:
+        ConfigError: an unknown name, an empty path, or a path that does not exist.
+    """
+    spec = spec.strip()
+    if spec == PLAIN:
+        return Method(spec, "plain")
+    if spec == GENERATE:
+        return Method(spec, "transformers", load="plain")
+    if spec == HF_PROMPT_LOOKUP:
+        return Method(spec, "transformers", load="lookup")
+    if spec.startswith(HF_ASSISTED):
+        return Method(spec, "transformers", _model_path(spec, HF_ASSISTED), load="assisted")
+    inner, hybrid = spec, spec.startswith(HYBRID)
+    if hybrid:
+        inner = spec[len(HYBRID) :]
+        if not inner:
+            raise ConfigError(f"method '{spec}': name the drafter after '+'")
+    if inner.startswith(DRAFT_MODEL):
+        return Method(spec, "drafter", _model_path(inner, DRAFT_MODEL), "model", hybrid)
+    if not hybrid and inner in drafters.training_free():
+        return Method(spec, "drafter", inner, "family")
+    path = inner.removeprefix(CHECKPOINT)
+    if Path(path).is_dir() and (Path(path) / CHECKPOINT_FILE).is_file():
+        meta = drafters.read_meta(path)
+        return Method(spec, "drafter", path, "checkpoint", hybrid, meta=meta)
+    if inner.startswith(CHECKPOINT) or Path(path).exists():
+        raise ConfigError(f"method '{spec}': {path} is not a specdec checkpoint directory")
+    raise ConfigError(
+        f"method '{spec}': unknown; expected {PLAIN}, {GENERATE}, "
+        f"{', '.join(drafters.training_free())}, a checkpoint directory, {DRAFT_MODEL}PATH, "
+        f"{HYBRID}PATH, {HF_ASSISTED}PATH or {HF_PROMPT_LOOKUP}"
+    )
+
+
+def _model_path(spec: str, prefix: str) -> str:
+    """The model after ``prefix``: a local path must exist; anything else is a hub id."""
+    source = spec[len(prefix) :]
+    if not source:
+        raise ConfigError(f"method '{spec}': give a model path or id after '{prefix}'")
+    looks_local = source.startswith(("/", ".", "~")) or Path(source).expanduser().exists()
+    if looks_local and not Path(source).expanduser().exists():
+        raise ConfigError(f"method '{spec}': {source} does not exist")
+    return str(Path(source).expanduser()) if looks_local else source
+
+
+def check_targets(methods: list[Method], target_spec: str) -> None:
+    """Every checkpoint was trained for the target evaluated.
+
+    Raises:
+        ConfigError: a checkpoint records another target.
+    """
+    for m in methods:
+        trained_for = m.meta.get("target")
+        if trained_for and trained_for != target_spec:
+            raise ConfigError(
+                f"method '{m.name}': a checkpoint for target '{trained_for}', evaluated "
+                f"against '{target_spec}'; pass --target {trained_for} or another checkpoint"
+            )
+
+
+def load(method: Method, target, max_ngram: int | None = None) -> None:
+    """Load what the method needs, against ``target`` (a ``FrozenTarget``)."""
+    if method.kind == "drafter":
+        if method.load == "checkpoint":
+            drafter = drafters.load(method.source, target)
+        elif method.load == "model":
+            drafter = drafters.from_model(method.source, target)
+        else:
+            drafter = drafters.build(
+                target, drafters.config_for(method.source, max_ngram=max_ngram)
+            )
+        method.drafter = drafters.hybrid(drafter, max_ngram=max_ngram) if method.hybrid else drafter
+    elif method.load == "assisted":
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(method.source, dtype=target.model.dtype)
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"method '{method.name}': cannot load {method.source}: {err}"
+            ) from None
+        method.assistant = model.to(target.device).eval()
+
+
+def run_transformers(
+    method: Method,
+    model,
+    ids: list[int],
+    *,
+    k: int,
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos: list[int],
+    seed: int,
+) -> Generation:
+    """Decode with transformers' ``generate`` (plain, assisted or prompt lookup), timed."""
+    extra: dict = {}
+    if method.load == "assisted":
+        extra = {
+            "assistant_model": method.assistant,
+            "num_assistant_tokens": k,
+            "num_assistant_tokens_schedule": "constant",
+            "assistant_confidence_threshold": 0.0,  # always k, as specdec's chain drafts
+        }
+    elif method.load == "lookup":
+        extra = {"prompt_lookup_num_tokens": k}
+    sampling = {"do_sample": False}
+    if not params.greedy:
+        sampling = {
+            "do_sample": True,
+            "temperature": params.temperature,
+            "top_k": params.top_k or None,
+            "top_p": params.top_p,
+        }
+    x = torch.tensor([ids], device=model.device)
+    torch.manual_seed(seed)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    t0 = time.perf_counter()
+    try:
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else None,
+            **sampling,
+            **extra,
+        )
+    except (ValueError, TypeError, NotImplementedError) as err:
+        raise ModelError(f"method '{method.name}': transformers refused: {err}") from None
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    tokens = out[0, len(ids) :].tolist()
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    gen = Generation(tokens=tokens if stop is None else tokens[: stop + 1])
+    gen.prefill_seconds = time.perf_counter() - t0  # the whole call: no rounds to split
+    gen.finished = stop is not None
+    return gen

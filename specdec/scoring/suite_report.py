@@ -1,0 +1,244 @@
+"""The report of ``specdec eval``: ``report.md`` with its plots, and ``--compare``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+PLOTS = ("acceptance.png", "categories.png", "speedup_vs_k.png", "accepted_lengths.png")
+
+
+def write_report(results: dict, out: Path, old: dict | None = None) -> list[Path]:
+    """``report.md`` and the plots into ``out``; ``old`` (an earlier results.json) adds the
+    comparison. Returns the paths written."""
+    from specdec.files import write_text
+
+    plots = _plots(results, out)
+    lines = markdown(results, [p.name for p in plots])
+    if old is not None:
+        lines += ["", "## Compared with the earlier run", "", *compare(old, results)]
+    write_text(out / "report.md", "\n".join(lines) + "\n")
+    return [out / "report.md", *plots]
+
+
+def _config_name(c: dict) -> str:
+    return f"k={c['k']}, T={c['temperature']:g}"
+
+
+def _ci(r: dict, key: str = "speedup") -> str:
+    lo, hi = r.get(f"{key}_ci", [math.nan, math.nan])
+    return f"{r[key]:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(results: dict, plots: list[str]) -> list[str]:
+    env, p = results["environment"], results["prompts"]
+    lines = [
+        f"# specdec eval: {results['target']}",
+        "",
+        f"- prompts: {p['num_prompts']} from {', '.join(p['sources'])} (+{p['warmup']} "
+        f"warm-up), categories: {', '.join(p['categories'])}",
+        f"- every method decodes every prompt in one process, the order rotating per prompt; "
+        f"max {results['settings']['max_new_tokens']} new tokens; speedups are ratios of "
+        "total tokens/s, with 95% bootstrap intervals over prompts",
+        f"- drafters: forward {results['settings']['draft_forward']}, confidence stop "
+        f"{results['settings']['draft_confidence']:g}; target forward "
+        f"{results['settings']['target_forward']}; verify lengths from the measured cost profile",
+        f"- environment: {env['device_name']} ({env['device']}, {env['threads']} threads), "
+        f"{env['dtype']}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"specdec {env['specdec']}",
+        f"- wall time: {results.get('seconds', 0):.0f} s",
+    ]
+    for c in results["configs"]:
+        lines += ["", f"## {_config_name(c)}", ""]
+        plain = c["methods"]["plain"]
+        lines.append(
+            f"specdec's plain decoding runs at {plain['tokens_per_second']:.2f} tokens/s, "
+            f"{_ci(plain, 'speedup_vs_generate')} the speed of transformers' `generate()`."
+        )
+        lines += ["", *_table(c)]
+        lines += ["", "Per category (tau / speedup over plain):", "", *_category_table(c)]
+    certs = results.get("certificates")
+    if certs:
+        lines += ["", "## Losslessness certificates", ""]
+        lines += [
+            "| method | greedy identity | sampling test (T=1) | passed |",
+            "|---|---|---|---|",
+        ]
+        for name, cert in certs.items():
+            g, s = cert.get("greedy"), cert.get("sampling")
+            greedy = "-"
+            if g:
+                greedy = (
+                    f"{g['identical']}/{g['prompts']} identical, {len(g['near_ties'])} near-ties, "
+                    f"{len(g['failures'])} failures"
+                )
+            sampling = "not run (--certify N)"
+            if s:
+                sampling = f"{s['samples']} samples, chi2 {s['statistic']:.1f} / {s['dof']} "
+                sampling += f"dof, p = {s['p_value']:.3g}"
+            lines.append(f"| {name} | {greedy} | {sampling} | {cert['passed']} |")
+    lines += ["", *[f"![{Path(p).stem}]({p})" for p in plots]]
+    return lines
+
+
+def _table(c: dict) -> list[str]:
+    k = c["k"]
+    head = "| method | tau | alpha | E[alpha] | " + " | ".join(f"acc@{i}" for i in range(1, k + 1))
+    head += " | speedup [95% CI] | vs generate() | bound | efficiency | identical |"
+    lines = [head, "|" + "---|" * (10 + k - 1)]
+    for name, r in c["methods"].items():
+        acc = r.get("accept_rate_per_position") or [None] * k
+        identical = r.get("greedy_match_rate")
+        cells = [
+            name,
+            _fmt(r.get("tau")),
+            _fmt(r.get("alpha")),
+            _fmt(r.get("expected_alpha")),
+            *[_fmt(a, ".2f") for a in acc],
+            _ci(r),
+            _ci(r, "speedup_vs_generate"),
+            _fmt(r.get("bound_speedup"), ".2f"),
+            _fmt(r.get("efficiency"), ".2f"),
+            "-" if identical is None else f"{100 * identical:.0f}%",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _category_table(c: dict) -> list[str]:
+    cats = sorted({cat for r in c["methods"].values() for cat in r["per_category"]})
+    lines = ["| method | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 1)]
+    for name, r in c["methods"].items():
+        cells = []
+        for cat in cats:
+            x = r["per_category"].get(cat)
+            cells.append("-" if x is None else f"{_fmt(x.get('tau'), '.2f')} / {_ci(x)}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def compare(old: dict, new: dict) -> list[str]:
+    """What changed from ``old`` to ``new``: tau and speedup of every method in every
+    configuration both have, and whether the speedup intervals overlap."""
+    before = {(_config_name(c), m): r for c in old["configs"] for m, r in c["methods"].items()}
+    lines = ["| setting | method | tau before -> after | speedup before -> after | overlap |"]
+    lines.append("|---|---|---|---|---|")
+    for c in new["configs"]:
+        for m, r in c["methods"].items():
+            o = before.get((_config_name(c), m))
+            if o is None:
+                lines.append(f"| {_config_name(c)} | {m} | new | {_ci(r)} | - |")
+                continue
+            (a, b), (x, y) = o["speedup_ci"], r["speedup_ci"]
+            overlap = "yes" if a <= y and x <= b else "NO"
+            tau = f"{_fmt(o.get('tau'))} -> {_fmt(r.get('tau'))}"
+            lines.append(f"| {_config_name(c)} | {m} | {tau} | {_ci(o)} -> {_ci(r)} | {overlap} |")
+    gone = {key for key in before} - {
+        (_config_name(c), m) for c in new["configs"] for m in c["methods"]
+    }
+    lines += [f"| {cfg} | {m} | gone | - | - |" for cfg, m in sorted(gone)]
+    return lines
+
+
+def _plots(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    configs, written = results["configs"], []
+    drafting = [
+        m for m in results["methods"] if "accept_rate_per_position" in configs[0]["methods"][m]
+    ]
+
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 3.6), squeeze=False)
+    for ax, c in zip(axes[0], configs, strict=True):
+        for m in drafting:
+            r = c["methods"][m]
+            pos = range(1, c["k"] + 1)
+            (line,) = ax.plot(pos, r["accept_rate_per_position"], "o-", label=m)
+            if r.get("expected_accept_rate_per_position"):
+                ax.plot(pos, r["expected_accept_rate_per_position"], ":", color=line.get_color())
+        ax.set(title=_config_name(c), xlabel="draft position i", ylabel="P(accepted >= i)")
+        ax.set_ylim(0, 1.05)
+    axes[0][0].legend(fontsize=7)
+    written.append(_save(fig, out / PLOTS[0], plt))
+
+    fig, axes = plt.subplots(len(configs), 2, figsize=(11, 3.4 * len(configs)), squeeze=False)
+    for row, c in zip(axes, configs, strict=True):
+        cats = sorted({cat for r in c["methods"].values() for cat in r["per_category"]})
+        shown = [m for m in results["methods"] if m != "plain"]
+        width = 0.8 / max(len(shown), 1)
+        for j, m in enumerate(shown):
+            per = c["methods"][m]["per_category"]
+            xs = [i + j * width for i in range(len(cats))]
+            color = f"C{j}"  # one colour per method in both panels
+            if m in drafting:
+                row[0].bar(xs, [per[x].get("tau", 0) for x in cats], width, color=color)
+            row[1].bar(xs, [per[x]["speedup"] for x in cats], width, label=m, color=color)
+        for ax, what in zip(row, ("tau", "speedup over plain"), strict=True):
+            ax.set_xticks(
+                [i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, fontsize=7
+            )
+            ax.set(title=f"{what}, {_config_name(c)}")
+        row[1].axhline(1.0, color="grey", lw=0.8)
+        row[1].legend(fontsize=7)
+    written.append(_save(fig, out / PLOTS[1], plt))
+
+    ks = sorted({c["k"] for c in configs})
+    if len(ks) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for t in sorted({c["temperature"] for c in configs}):
+            for m in results["methods"]:
+                if m == "plain":
+                    continue
+                rs = [
+                    c["methods"][m]
+                    for k in ks
+                    for c in configs
+                    if c["k"] == k and c["temperature"] == t
+                ]
+                lo = [r["speedup"] - r["speedup_ci"][0] for r in rs]
+                hi = [r["speedup_ci"][1] - r["speedup"] for r in rs]
+                ax.errorbar(
+                    ks,
+                    [r["speedup"] for r in rs],
+                    yerr=[lo, hi],
+                    marker="o",
+                    capsize=3,
+                    label=f"{m}, T={t:g}",
+                )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xlabel="k (draft tokens per round)", ylabel="speedup over plain (95% CI)")
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out / PLOTS[2], plt))
+
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 3.6), squeeze=False)
+    for ax, c in zip(axes[0], configs, strict=True):
+        width = 0.8 / max(len(drafting), 1)
+        for j, m in enumerate(drafting):
+            hist = c["methods"][m]["accepted_length_histogram"]
+            total = sum(hist) or 1
+            ax.bar(
+                [n + j * width for n in range(len(hist))], [h / total for h in hist], width, label=m
+            )
+        ax.set(
+            title=_config_name(c),
+            xlabel="accepted draft tokens per round",
+            ylabel="share of rounds",
+        )
+    axes[0][0].legend(fontsize=7)
+    written.append(_save(fig, out / PLOTS[3], plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

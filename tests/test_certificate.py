@@ -1,0 +1,177 @@
+"""The losslessness certificates (specdec.scoring.certificate) on a tiny random Llama target.
+
+A random tiny model's next-token law is nearly uniform over its 384 tokens (logits of std
+~0.1), which leaves no context with enough draws to test; its head is scaled up 25x so that a
+few tokens carry most of the mass (entropy ~2 nats), as in a trained model. The drafter is the
+real draft_model family built from the target (one of its two layers), so it agrees with the
+target often but not always (acceptance ~0.8): accepted drafts, residual resamples and bonus
+tokens all occur. Seeds are fixed, so every outcome here is deterministic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tiny_models
+import torch
+from markov import reference_law
+from scipy.stats import chi2
+
+from specdec.decoding.sampling import SamplingParams
+from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.draft_model import DraftModelConfig, build_draft_model
+from specdec.scoring.certificate import (
+    TIE_MARGIN,
+    chi2_sf,
+    exact_probabilities,
+    greedy_certificate,
+    pearson,
+    sampling_certificate,
+    tie_margin_for,
+)
+from specdec.target import FrozenTarget
+
+TEXTS = ["The quick brown fox", "def add(a, b):", "Hello! How are", "The capital of"]
+PASS_LEVEL = 1e-3
+DETECT_LEVEL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """(target model, prompt ids, a draft_model drafter built from the target)."""
+    model, tokenizer = tiny_models.tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    target = FrozenTarget(model, tokenizer, name="tiny-sharp")
+    drafter = build_draft_model(target, DraftModelConfig(num_layers=1))
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    return model, prompts, drafter
+
+
+class Wrapped(Drafter):
+    """A drafter that changes what another one proposes."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def begin(self, prompt, target_features=None):
+        self.inner.begin(prompt, target_features)
+
+
+class MisreportingDrafter(Wrapped):
+    """A planted bug: drafts from q but reports q at twice the temperature (sqrt q, renormed)."""
+
+    def propose(self, sequence, k, params, generator=None):
+        proposal = self.inner.propose(sequence, k, params, generator)
+        wrong = proposal.probs.sqrt()
+        return Proposal(proposal.tokens, wrong / wrong.sum(-1, keepdim=True))
+
+
+class GuessDrafter(Wrapped):
+    """A deterministic drafter (no q): the draft model's argmax, as greedy drafting does."""
+
+    def propose(self, sequence, k, params, generator=None):
+        proposal = self.inner.propose(sequence, k, SamplingParams(), None)
+        assert proposal.probs is None
+        return proposal
+
+
+def test_correct_drafter_passes(setup):
+    model, prompts, drafter = setup
+    result = sampling_certificate(model, None, drafter, prompts, 10_000, k=4)
+    assert result["samples"] == 10_000 and result["prompts"] == 4
+    assert result["passed"] and result["p_value"] > PASS_LEVEL, result
+    # t1 per prompt, t2 per (prompt, t1), t3 per (prompt, t1, t2): many contexts tested
+    assert result["groups_tested"] >= 50 and result["dof"] >= 200, result
+    assert 0.2 < result["accept_rate"] < 0.98, result  # both acceptance and rejection occur
+    assert result["outside_support"] == 0
+
+
+def test_misreported_q_fails(setup):
+    """Same target, prompts and drafter, but the reported q is not the one drafted from; a
+    fifth of the draws already detects it (more draws only add power)."""
+    model, prompts, drafter = setup
+    result = sampling_certificate(model, None, MisreportingDrafter(drafter), prompts, 2_000, k=4)
+    assert not result["passed"] and result["p_value"] < DETECT_LEVEL, result
+
+
+def test_deterministic_drafter_with_top_k_passes(setup):
+    """probs None (one-hot q) under temperature and top-k: still the target's law."""
+    model, prompts, drafter = setup
+    result = sampling_certificate(
+        model, None, GuessDrafter(drafter), prompts, 2_000, k=2, temperature=0.8, top_k=20
+    )
+    assert result["passed"] and result["p_value"] > PASS_LEVEL, result
+    assert 0.2 < result["accept_rate"] < 0.98, result
+    assert result["outside_support"] == 0
+
+
+def test_seeded_draws_are_deterministic(setup):
+    model, prompts, drafter = setup
+    runs = [sampling_certificate(model, None, drafter, prompts[:1], 100, k=4) for _ in range(2)]
+    other = sampling_certificate(model, None, drafter, prompts[:1], 100, k=4, seed=1)
+    assert runs[0]["statistic"] == runs[1]["statistic"]
+    assert other["statistic"] != runs[0]["statistic"]
+
+
+def test_reference_is_the_models_own_law(setup):
+    """The certificate's expected counts come from the model's logits, not from the decoder:
+    a plain softmax at temperature 1, and an independent numpy law with temperature, top-k
+    and top-p (``markov.reference_law``)."""
+    model, prompts, _ = setup
+    contexts = [prompts[0], prompts[1], prompts[0] + [7], prompts[0] + [9]]  # two lengths
+    with torch.no_grad():
+        logits = torch.stack([model(torch.tensor([c])).logits[0, -1] for c in contexts])
+    plain = exact_probabilities(model, contexts, SamplingParams(temperature=1.0))
+    assert plain.dtype == torch.float64
+    torch.testing.assert_close(plain, logits.double().softmax(-1), atol=1e-6, rtol=1e-5)
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
+    processed = exact_probabilities(model, contexts, params)
+    np.testing.assert_allclose(processed.numpy(), reference_law(logits, params), atol=1e-6)
+
+
+def test_pearson_merges_sparse_cells():
+    observed = torch.tensor([30.0, 18.0, 2.0, 0.0, 1.0])
+    expected = torch.tensor([25.0, 20.0, 3.0, 1.0, 1.0])
+    # the cells expecting 1, 1 and 3 (5 together) become one cell observing 3
+    statistic, dof = pearson(observed, expected)
+    assert dof == 2
+    assert statistic == pytest.approx(25 / 25 + 4 / 20 + 4 / 5)
+    # merged cells still under 5 take in the next smallest cell
+    statistic, dof = pearson(torch.tensor([30.0, 18.0, 2.0]), torch.tensor([25.0, 20.0, 3.0]))
+    assert (statistic, dof) == (pytest.approx(25 / 25 + 9 / 23), 1)
+    assert pearson(torch.tensor([3.0, 1.0]), torch.tensor([2.0, 2.0])) is None
+
+
+@pytest.mark.parametrize("dof", [1, 2, 7, 100, 1000])
+def test_chi2_survival_matches_scipy(dof):
+    for x in (0.1, dof * 0.5, dof, dof + 3 * (2 * dof) ** 0.5):
+        assert chi2_sf(x, dof) == pytest.approx(chi2.sf(x, dof), rel=1e-9, abs=1e-300)
+
+
+def test_greedy_identical_passes():
+    result = greedy_certificate([], num_prompts=5)
+    assert result == {"prompts": 5, "identical": 5, "near_ties": [], "failures": [], "passed": True}
+
+
+def test_greedy_near_tie_is_explained():
+    ties = [
+        {"prompt": 1, "position": 40, "top2_margin": 3e-5},
+        {"prompt": 3, "position": 7, "top2_margin": TIE_MARGIN},
+    ]
+    result = greedy_certificate(ties, num_prompts=5)
+    assert result["passed"] and result["identical"] == 3
+    assert result["near_ties"] == ties and result["failures"] == []
+
+
+def test_greedy_large_margin_fails():
+    tie = {"prompt": 0, "position": 3, "top2_margin": 1e-4}
+    wide = {"prompt": 2, "position": 12, "top2_margin": 0.8}
+    unmeasured = {"prompt": 4, "position": 1}
+    result = greedy_certificate([tie, wide, unmeasured], num_prompts=5)
+    assert not result["passed"] and result["identical"] == 2
+    assert result["near_ties"] == [tie] and result["failures"] == [wide, unmeasured]
+    # a bfloat16 target's noise floor is wider: 0.05 is a tie there, not in float32
+    close = {"prompt": 0, "position": 3, "top2_margin": 0.05}
+    assert greedy_certificate([close], 1, tie_margin_for(torch.bfloat16))["passed"]
+    assert not greedy_certificate([close], 1, tie_margin_for(torch.float32))["passed"]

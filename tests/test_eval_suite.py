@@ -1,0 +1,232 @@
+"""``specdec eval``: every method over the same prompts in one process, the report, the
+comparison, and the inputs it refuses. Tiny random models; a draft model of another seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiny_models
+
+from specdec.cli import main
+from specdec.scoring import suite
+from specdec.scoring.suite import EvalJob, bootstrap_ratio, run_eval
+from specdec.scoring.suite_report import compare, write_report
+
+ROWS = [
+    {"prompt": "Say hello to the world and repeat hello world.", "task": "chat"},
+    {"prompt": "def add(a, b): return a + b. Write add again.", "task": "code"},
+    {"prompt": "Count one two three one two three.", "task": "chat"},
+    {"prompt": "Write x = x + 1 three times.", "task": "code"},
+]
+METHODS = ["prompt_lookup", "draft_model:{draft}", "prompt_lookup+draft_model:{draft}"]
+HF = ["hf_assisted:{draft}", "hf_prompt_lookup"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("eval")
+    tiny_models.save_tiny(*tiny_models.tiny_llama(seed=1), root / "draft")
+    (root / "p.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
+    return root, tiny_llama_dir
+
+
+def job(files, out: Path, methods=None, **kw) -> EvalJob:
+    root, target = files
+    specs = [m.format(draft=root / "draft") for m in (methods or METHODS + HF)]
+    settings = dict(
+        prompts=[str(root / "p.jsonl")], category_column="task", num_prompts=3, warmup=1,
+        ks=[1, 2], temperatures=[0.0, 1.0], max_new_tokens=12, target=str(target),
+        bootstrap=200,
+    )  # fmt: skip
+    return EvalJob(methods=specs, out=str(out), **{**settings, **kw})
+
+
+@pytest.fixture(scope="module")
+def results(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    result = run_eval(job(files, out))
+    return result, out
+
+
+def test_every_method_decodes_every_prompt_with_the_order_rotating(files, tmp_path, monkeypatch):
+    calls = []
+    real_generate, real_hf = suite.generate, suite.mth.run_transformers
+
+    def spy_generate(session, ids, *, drafter=None, **kw):
+        calls.append((tuple(ids), drafter.name if drafter else "plain"))
+        return real_generate(session, ids, drafter=drafter, **kw)
+
+    def spy_hf(method, model, ids, **kw):
+        calls.append((tuple(ids), method.name))
+        return real_hf(method, model, ids, **kw)
+
+    monkeypatch.setattr(suite, "generate", spy_generate)
+    monkeypatch.setattr(suite.mth, "run_transformers", spy_hf)
+    methods = ["prompt_lookup", "hf_prompt_lookup"]
+    run_eval(job(files, tmp_path, methods, ks=[2], temperatures=[0.0], num_prompts=3))
+    order = ["plain", "generate", "prompt_lookup", "hf_prompt_lookup"]
+    prompts = list(dict.fromkeys(ids for ids, _ in calls))
+    assert len(prompts) == 4 and len(calls) == 16  # 1 warm-up + 3 prompts, 4 methods each
+    for i, ids in enumerate(prompts):
+        ran = [name for p, name in calls if p == ids]
+        assert ran == order[i % 4 :] + order[: i % 4], f"prompt {i}: {ran}"
+
+
+def test_speedups_are_ratios_of_the_recorded_totals(results):
+    result, _ = results
+    for config in result["configs"]:
+        plain = config["methods"]["plain"]["per_prompt"]
+        base = sum(plain["tokens"]) / sum(plain["seconds"])
+        for name, r in config["methods"].items():
+            own = r["per_prompt"]
+            assert r["speedup"] == pytest.approx(sum(own["tokens"]) / sum(own["seconds"]) / base)
+            lo, hi = r["speedup_ci"]
+            assert lo <= hi, name
+            for cat in ("chat", "code"):
+                idx = [i for i, c in enumerate(own["category"]) if c == cat]
+                tps = sum(own["tokens"][i] for i in idx) / sum(own["seconds"][i] for i in idx)
+                b = sum(plain["tokens"][i] for i in idx) / sum(plain["seconds"][i] for i in idx)
+                assert r["per_category"][cat]["speedup"] == pytest.approx(tps / b), (name, cat)
+
+
+def test_categories_come_from_the_named_column(results):
+    result, _ = results
+    assert result["prompts"]["categories"] == ["chat", "code"]
+    for config in result["configs"]:
+        for r in config["methods"].values():
+            assert r["per_prompt"]["category"] == ["code", "chat", "code"]  # rows 2-4
+
+
+def test_greedy_outputs_match_plain_decoding_and_generate(results):
+    result, _ = results
+    for config in (c for c in result["configs"] if c["temperature"] == 0):
+        for name, r in config["methods"].items():
+            assert r["greedy_match_rate"] == 1.0, name
+            assert r["generate_match_rate"] == 1.0, name
+    certs = result["certificates"]
+    assert set(certs) == {m for m in result["methods"] if m.startswith("prompt_lookup") or
+                          m.startswith("draft_model")}  # fmt: skip
+    assert all(c["greedy"]["passed"] and c["greedy"]["identical"] == 3 for c in certs.values())
+
+
+def test_sampling_runs_report_the_expected_acceptance(results):
+    result, _ = results
+    for config in result["configs"]:
+        r = config["methods"][
+            "draft_model:" + str(Path(result["settings"]["prompts"][0]).parent / "draft")
+        ]
+        if config["temperature"] == 0:
+            assert r["expected_alpha"] is None
+        else:
+            assert 0 < r["expected_alpha"] <= 1
+            assert len(r["expected_accept_rate_per_position"]) == config["k"]
+
+
+def test_report_and_plots_are_written(results):
+    result, out = results
+    paths = write_report(result, out)
+    text = (out / "report.md").read_text()
+    for name in result["methods"]:
+        assert f"| {name} |" in text
+    assert "Per category" in text and "the speed of transformers' `generate()`" in text
+    for p in paths[1:]:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
+
+
+def test_bootstrap_interval_of_hand_made_ratios():
+    class G:
+        def __init__(self, tokens, seconds):
+            self.tokens, self.seconds = [0] * tokens, seconds
+
+    rng = np.random.default_rng(0)
+    base = [G(10, 1.0), G(20, 4.0), G(30, 2.0)]
+    assert bootstrap_ratio(base, base, 500, rng) == [1.0, 1.0]
+    twice = [G(10, 0.5), G(20, 2.0), G(30, 1.0)]  # every prompt exactly twice as fast
+    assert bootstrap_ratio(twice, base, 500, rng) == pytest.approx([2.0, 2.0])
+    mixed = [G(10, 0.25), G(20, 4.0), G(30, 2.0)]  # only the first prompt is faster (4x)
+    lo, hi = bootstrap_ratio(mixed, base, 2000, rng)
+    # resamples without the first prompt give 1.0; those with only it give 4.0
+    assert lo == pytest.approx(1.0) and 1.5 < hi <= 4.0
+
+
+def test_compare_flags_speedups_whose_intervals_do_not_overlap(results):
+    before = json.loads(json.dumps(results[0]))
+    assert all(" yes |" in line for line in compare(before, before)[2:])
+    r = before["configs"][0]["methods"]["prompt_lookup"]
+    r["speedup"], r["speedup_ci"] = 1.0, [0.9, 1.1]
+    after = json.loads(json.dumps(before))
+    r = after["configs"][0]["methods"]["prompt_lookup"]
+    r["speedup"], r["speedup_ci"] = 1.25, [1.1, 1.3]  # touching intervals overlap
+    assert not [line for line in compare(before, after) if "NO" in line]
+    r["speedup"], r["speedup_ci"] = 1.25, [1.11, 1.3]
+    lines = compare(before, after)
+    assert [line for line in lines if "NO" in line] == [
+        line for line in lines if line.startswith("| k=1, T=0 | prompt_lookup |")
+    ]
+
+
+def _error_line(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("specdec: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model loaded before the error")
+
+    monkeypatch.setattr("specdec.target.FrozenTarget.load", refuse)
+
+
+def test_a_method_that_does_not_exist(capsys, files, tmp_path, no_model_loads):
+    root, target = files
+    argv = ["eval", "--prompts", str(root / "p.jsonl"), "--out", str(tmp_path / "o")]
+    err = _error_line(capsys, [*argv, "--method", "promt_lookup"])
+    assert "method 'promt_lookup': unknown; expected plain, generate, prompt_lookup" in err
+    err = _error_line(capsys, [*argv, "--method", "hf_assisted:./nowhere"])
+    assert "method 'hf_assisted:./nowhere': ./nowhere does not exist" in err
+    err = _error_line(capsys, [*argv, "--method", "prompt_lookup", "--k", "two"])
+    assert "--k two: expected comma-separated ints" in err
+
+
+def test_a_checkpoint_for_another_target(capsys, files, tmp_path, no_model_loads):
+    root, target = files
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "drafter.json").write_text(json.dumps({"family": "draft_model", "target": "other"}))
+    argv = ["eval", "--prompts", str(root / "p.jsonl"), "--out", str(tmp_path / "o")]
+    err = _error_line(capsys, [*argv, "--target", str(target), "--method", str(ckpt)])
+    assert f"method '{ckpt}': a checkpoint for target 'other', evaluated against" in err
+
+
+def test_a_prompt_file_without_the_category_column(capsys, files, tmp_path, no_model_loads):
+    root, _ = files
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(
+        json.dumps({"prompt": "Hi.", "task": "chat"}) + "\n" + json.dumps({"prompt": "Yo."})
+    )
+    argv = ["eval", "--prompts", str(plain), "--category-column", "task"]
+    err = _error_line(capsys, [*argv, "--method", "prompt_lookup", "--out", str(tmp_path / "o")])
+    assert "plain.jsonl row 2: no 'task' column" in err
+
+
+def test_earlier_results_are_kept_unless_forced(capsys, files, tmp_path, no_model_loads):
+    root, _ = files
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    argv = ["eval", "--prompts", str(root / "p.jsonl"), "--method", "prompt_lookup"]
+    err = _error_line(capsys, [*argv, "--out", str(out)])
+    assert "holds results.json; pass --force" in err
+    (tmp_path / "old.json").write_text("{not json")
+    err = _error_line(
+        capsys, [*argv, "--out", str(tmp_path / "p"), "--compare", str(tmp_path / "old.json")]
+    )
+    assert f"--compare {tmp_path / 'old.json'}: unreadable" in err
