@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiny_models
+from test_cli_errors import error_line
 
-from specdec.cli import main
 from specdec.scoring import suite
 from specdec.scoring.suite import EvalJob, bootstrap_ratio, run_eval
 from specdec.scoring.suite_report import compare, write_report
@@ -168,15 +168,6 @@ def test_compare_flags_speedups_whose_intervals_do_not_overlap(results):
     ]
 
 
-def _error_line(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("specdec: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 @pytest.fixture
 def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
@@ -188,11 +179,11 @@ def no_model_loads(monkeypatch):
 def test_a_method_that_does_not_exist(capsys, files, tmp_path, no_model_loads):
     root, target = files
     argv = ["eval", "--prompts", str(root / "p.jsonl"), "--out", str(tmp_path / "o")]
-    err = _error_line(capsys, [*argv, "--method", "promt_lookup"])
+    err = error_line(capsys, [*argv, "--method", "promt_lookup"])
     assert "method 'promt_lookup': unknown; expected plain, generate, prompt_lookup" in err
-    err = _error_line(capsys, [*argv, "--method", "hf_assisted:./nowhere"])
+    err = error_line(capsys, [*argv, "--method", "hf_assisted:./nowhere"])
     assert "method 'hf_assisted:./nowhere': ./nowhere does not exist" in err
-    err = _error_line(capsys, [*argv, "--method", "prompt_lookup", "--k", "two"])
+    err = error_line(capsys, [*argv, "--method", "prompt_lookup", "--k", "two"])
     assert "--k two: expected comma-separated ints" in err
 
 
@@ -202,7 +193,7 @@ def test_a_checkpoint_for_another_target(capsys, files, tmp_path, no_model_loads
     ckpt.mkdir()
     (ckpt / "drafter.json").write_text(json.dumps({"family": "draft_model", "target": "other"}))
     argv = ["eval", "--prompts", str(root / "p.jsonl"), "--out", str(tmp_path / "o")]
-    err = _error_line(capsys, [*argv, "--target", str(target), "--method", str(ckpt)])
+    err = error_line(capsys, [*argv, "--target", str(target), "--method", str(ckpt)])
     assert f"method '{ckpt}': a checkpoint for target 'other', evaluated against" in err
 
 
@@ -213,7 +204,7 @@ def test_a_prompt_file_without_the_category_column(capsys, files, tmp_path, no_m
         json.dumps({"prompt": "Hi.", "task": "chat"}) + "\n" + json.dumps({"prompt": "Yo."})
     )
     argv = ["eval", "--prompts", str(plain), "--category-column", "task"]
-    err = _error_line(capsys, [*argv, "--method", "prompt_lookup", "--out", str(tmp_path / "o")])
+    err = error_line(capsys, [*argv, "--method", "prompt_lookup", "--out", str(tmp_path / "o")])
     assert "plain.jsonl row 2: no 'task' column" in err
 
 
@@ -223,10 +214,10 @@ def test_earlier_results_are_kept_unless_forced(capsys, files, tmp_path, no_mode
     out.mkdir()
     (out / "results.json").write_text("{}")
     argv = ["eval", "--prompts", str(root / "p.jsonl"), "--method", "prompt_lookup"]
-    err = _error_line(capsys, [*argv, "--out", str(out)])
+    err = error_line(capsys, [*argv, "--out", str(out)])
     assert "holds results.json; pass --force" in err
     (tmp_path / "old.json").write_text("{not json")
-    err = _error_line(
+    err = error_line(
         capsys, [*argv, "--out", str(tmp_path / "p"), "--compare", str(tmp_path / "old.json")]
     )
     assert f"--compare {tmp_path / 'old.json'}: unreadable" in err

@@ -1,0 +1,72 @@
+"""The sampling certificate on the real target: a drafter passes it, the same drafter made to
+misreport q (it drafts from q but announces q at twice the temperature) fails it.
+
+Not a test (a real target, minutes of CPU): a measurement that the certificate has the power
+to catch a lossy decoder where it is used. The test suite runs the same check on tiny models.
+
+    python bench/certificate.py --checkpoint runs/smollm2-135m-eagle3/best --samples 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdec import drafters
+from specdec.data.chat import prompt_messages
+from specdec.drafters.base import Drafter, Proposal
+from specdec.scoring.certificate import sampling_certificate
+from specdec.scoring.command import load_prompts
+from specdec.scoring.run import encode_prompt
+from specdec.target import FrozenTarget
+
+
+class Misreporting(Drafter):
+    """Another drafter's proposals, announced with q^(1/2) renormalised instead of q."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.name = f"misreporting {inner.name}"
+        self.required_target_layers = inner.required_target_layers
+
+    def begin(self, prompt, target_features=None):
+        self.inner.begin(prompt, target_features)
+
+    def propose(self, sequence, k, params, generator=None):
+        proposal = self.inner.propose(sequence, k, params, generator)
+        wrong = proposal.probs.sqrt()
+        return Proposal(proposal.tokens, wrong / wrong.sum(-1, keepdim=True))
+
+    def commit(self, num_accepted, target_features=None):
+        self.inner.commit(num_accepted, target_features)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--samples", type=int, default=10_000, help="draws for the drafter")
+    parser.add_argument("--bug-samples", type=int, default=2_000, help="draws for the bug")
+    parser.add_argument("--prompts", default="mtbench,humaneval")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--k", type=int, default=4)
+    args = parser.parse_args()
+
+    meta = drafters.read_meta(args.checkpoint)
+    target = FrozenTarget.load(meta["target"])
+    drafter = drafters.load(args.checkpoint, target)
+    rows = load_prompts(tuple(args.prompts.split(",")), args.num_prompts + 1)[1:]  # past warm-up
+    prompts = [encode_prompt(target.tokenizer, prompt_messages(r["messages"])) for r in rows]
+    runs = [("drafter", drafter, args.samples)]
+    runs.append(("misreported q", Misreporting(drafter), args.bug_samples))
+    for name, d, n in runs:
+        cert = sampling_certificate(target.model, target.tokenizer, d, prompts, n, k=args.k)
+        keep = ("samples", "statistic", "dof", "p_value", "passed", "groups_tested", "accept_rate")
+        print(
+            f"{name:>14}: "
+            + json.dumps({key: cert[key] for key in keep})
+            + f", {cert['seconds']:.0f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
