@@ -79,7 +79,8 @@ def test_head_trains_target_and_embedding_stay_frozen(files, tmp_path, monkeypat
         assert 0.0 <= logged[key] <= 1.0
 
 
-def test_ddp_two_processes_match_one_with_accumulation(files, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_processes_match_one_with_accumulation(files, tmp_path, fsdp):
     args = ["train.save_every=100"]
     one = launch(overrides(files, tmp_path / "one", "train.grad_accum=2", *args), recipe=RECIPE)
     finish(one)
@@ -87,14 +88,16 @@ def test_ddp_two_processes_match_one_with_accumulation(files, tmp_path):
         overrides(files, tmp_path / "two", "train.grad_accum=1", *args),
         processes=2,
         recipe=RECIPE,
+        fsdp=fsdp,
     )
-    finish(two)
+    out = finish(two)
+    assert ("FSDP: the drafter sharded across 2 processes" in out) == fsdp
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
     for (_, x), (_, y) in zip(a, b, strict=True):
         assert x == pytest.approx(y, rel=1e-4, abs=1e-6)
-    w1 = load_file(tmp_path / "one" / "state" / "model.safetensors")
-    w2 = load_file(tmp_path / "two" / "state" / "model.safetensors")
+    ckpt = Path("checkpoints") / "step-000004" / "model.safetensors"
+    w1, w2 = load_file(tmp_path / "one" / ckpt), load_file(tmp_path / "two" / ckpt)
     assert set(w1) == set(w2)
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)

@@ -3,10 +3,13 @@ equivalence with gradient accumulation, and resuming a killed run."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import tiny_models
 import torch
@@ -59,7 +62,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def launch(
-    args: list[str], processes: int = 1, recipe: Path = RECIPE, **kwargs
+    args: list[str], processes: int = 1, recipe: Path = RECIPE, fsdp: bool = False, **kwargs
 ) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if processes == 1:
@@ -71,7 +74,7 @@ def launch(
             sys.executable,
             "-m",
             "accelerate.commands.launch",
-            "--multi_gpu",
+            "--use_fsdp" if fsdp else "--multi_gpu",
             "--num_processes",
             str(processes),
             "--num_machines",
@@ -163,6 +166,44 @@ def test_ddp_two_processes_match_one_with_accumulation(setup, tmp_path):
     assert set(w1) == set(w2)
     for name in w1:
         torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)
+
+
+def test_fsdp_two_processes_match_one_with_accumulation_and_resume_after_sigkill(setup, tmp_path):
+    """FSDP over gloo: each process holds half the drafter, the updates are those of one
+    process with all the micro-batches, a run killed after a save resumes to the same weights."""
+    args = ("train.max_steps=8", "train.save_every=2", "train.warmup_steps=0", "train.batch_size=1")
+    finish(launch(overrides(setup, tmp_path / "one", "train.grad_accum=4", *args)))
+    run_dir = tmp_path / "fsdp"  # two micro-batches a process: gradients accumulate unsynced
+    fsdp = overrides(setup, run_dir, "train.grad_accum=2", *args)
+    proc = launch(fsdp, processes=2, fsdp=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run_dir / "checkpoints" / "step-000002").exists():
+        time.sleep(0.02)
+    # the launcher and its workers (torchrun starts them in sessions of their own)
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.kill()
+    out, _ = proc.communicate()
+    held = re.findall(
+        r"sharded across 2 processes in (\d+) units; this process holds (\d+) of its (\d+)", out
+    )
+    assert len(held) == 2, out[-3000:]  # both processes, each with its half
+    assert all(int(units) >= 2 and 2 * int(a) == int(b) for units, a, b in held)
+    assert losses(run_dir)[-1][0] < 8  # killed mid-run
+    out = finish(launch(fsdp, processes=2, fsdp=True))
+    assert "resumed" in out
+    assert (run_dir / "state" / "sharded_state.pt").is_file()
+    got, expected = losses(run_dir), losses(tmp_path / "one")
+    assert [s for s, _ in got] == [s for s, _ in expected] == list(range(1, 9))
+    assert [x for _, x in got] == pytest.approx([x for _, x in expected], rel=1e-4, abs=1e-6)
+    norms = [metric(tmp_path / run, "train/grad_norm") for run in ("one", "fsdp")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+    for step in ("step-000002", "step-000008"):  # saved from the gathered weights, and scored
+        w1 = load_file(tmp_path / "one" / "checkpoints" / step / "model.safetensors")
+        w2 = load_file(run_dir / "checkpoints" / step / "model.safetensors")
+        assert set(w1) == set(w2)
+        for name in w1:
+            torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)
+        assert (run_dir / "checkpoints" / step / "score.json").is_file()
 
 
 def metric(run_dir: Path, key: str) -> list[float]:

@@ -49,6 +49,10 @@ class DraftLayer(nn.Module):
     """A pre-norm decoder layer (GQA attention with rotary embeddings, gated SiLU MLP). The
     first layer of the head reads the embedding and the hidden state side by side (2H)."""
 
+    #: the methods the head calls instead of ``forward`` (a sharded layer gathers its weights
+    #: around each)
+    sharded_methods = ("qkv", "finish")
+
     def __init__(self, cfg: dict, first: bool):
         super().__init__()
         h, heads, kv, dim = cfg["hidden_size"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]

@@ -81,13 +81,11 @@ def heldout_metrics(run, batch_size: int) -> dict:
         for part in (mine[i : i + batch_size] for i in range(0, len(mine), batch_size))
     ]
     counts = step_counts(run.drafter, batches, accelerator)
-    model = accelerator.unwrap_model(run.model)
+    drafter, model = run.decoding()
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     for batch in batches:
-        _, parts, _ = drafter_loss(
-            run.drafter, model, run.target, batch, run.recipe.loss, counts, n
-        )
+        _, parts, _ = drafter_loss(drafter, model, run.target, batch, run.recipe.loss, counts, n)
         for key, value in parts.items():
             sums[key] = sums.get(key, 0) + value
     model.train()

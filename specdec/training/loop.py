@@ -3,7 +3,8 @@
 The target runs online under no_grad on every micro-batch, or its logits and hidden states are
 read from a teacher cache (``data.teacher: cache``, :mod:`specdec.data.cache`); the drafter
 learns its distribution on assistant tokens (DistillSpec, Zhou et al. 2024). One
-``prepare``; gradient accumulation with ``no_sync``; losses divided by the global count of
+``prepare`` (DDP), or the drafter sharded by :mod:`specdec.training.sharding` (FSDP);
+gradient accumulation with ``no_sync``; losses divided by the global count of
 unmasked tokens across processes and accumulation steps, so N processes x A micro-batches
 give the same update as one process with N*A micro-batches. The data order is a seeded
 permutation per epoch and the data position is part of the saved state, so a resumed run
@@ -35,6 +36,7 @@ from specdec.config import Recipe, save_recipe
 from specdec.data.onpolicy import POLICY_SOURCE, PolicyPool
 from specdec.errors import ConfigError, first_line
 from specdec.files import replace_dir
+from specdec.training import sharding
 from specdec.training.checkpoint import (
     TrainState,
     check_run_dir,
@@ -47,15 +49,6 @@ from specdec.training.step import drafter_loss, micro_batch, step_counts
 from specdec.training.trackers import MetricsLog
 
 logger = logging.getLogger(__name__)
-
-
-#: why an FSDP launch is refused rather than half-run
-FSDP_REFUSED = (
-    "accelerate launch with distributed_type FSDP: not supported; every save scores the "
-    "checkpoint on the main process alone, which a drafter sharded across processes cannot "
-    "run, and without CUDA accelerate would silently train plain DDP; launch with "
-    "recipes/accelerate/multi_gpu.yaml (DDP: each process holds a whole drafter)"
-)
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
@@ -98,6 +91,16 @@ class Run:
     heldout_rows: torch.Tensor | None = None  # target-written rows evaluated, never trained on
     by_source: SourceAccuracy | None = None  # first-step agreement per data source
     pool: PolicyPool | None = None  # the drafter's own continuations (data.on_policy)
+    replica: object = None  # under FSDP: an unsharded drafter for what runs outside a step
+
+    def decoding(self) -> tuple[object, torch.nn.Module]:
+        """The drafter to run outside a training step, and its module: under FSDP the
+        replica, loaded first with the gathered weights (a collective: every process calls
+        it), else the trained drafter itself."""
+        if self.replica is None:
+            return self.drafter, self.accelerator.unwrap_model(self.model)
+        sharding.refresh(self.replica.module, self.model)
+        return self.replica, self.replica.module
 
 
 def setup(recipe: Recipe) -> Run:
@@ -120,10 +123,12 @@ def setup(recipe: Recipe) -> Run:
         )
     if not recipe.eval.prompts:
         raise ConfigError("eval.prompts: empty; checkpoints are scored on held-out prompts")
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        raise ConfigError(FSDP_REFUSED)
     cfg, run_dir = recipe.train, recipe.run_dir
+    fsdp = sharding.claim()  # before the accelerator, which would otherwise handle (or drop) it
     accelerator = make_accelerator(recipe)
+    if fsdp and accelerator.num_processes == 1:
+        logger.warning("FSDP over one process: nothing to shard, training unsharded")
+        fsdp = False
     if accelerator.is_main_process:
         recover_run_dir(run_dir)
     accelerator.wait_for_everyone()
@@ -146,7 +151,8 @@ def setup(recipe: Recipe) -> Run:
             f"train.batch_size: {len(train_rows)} training rows cannot fill one step of {per_step}"
         )
     # the draft vocabulary is chosen from the rows trained on, not the held-out ones
-    drafter = drafters.for_recipe(recipe.drafter, target, dataset.select(train_rows.tolist()))
+    trained_on = dataset.select(train_rows.tolist())
+    drafter = drafters.for_recipe(recipe.drafter, target, trained_on)
     cache = None
     if recipe.data.teacher == "cache":
         fp = cache_fingerprint(recipe, target, dataset, drafter.required_target_layers)
@@ -154,6 +160,11 @@ def setup(recipe: Recipe) -> Run:
             build_teacher_cache(recipe, target, dataset, fp)
         accelerator.wait_for_everyone()
         cache = open_teacher_cache(recipe, fp, drafter.draft_ids)
+    replica = None
+    if fsdp:  # the replica is built without touching the random state the run goes on with
+        with torch.random.fork_rng(devices=[] if accelerator.device.type == "cpu" else None):
+            replica = drafters.for_recipe(recipe.drafter, target, trained_on)
+        sharding.shard(drafter.module, accelerator.device, accelerator.mixed_precision)
     drafter.module.train()
     trainable = [p for p in drafter.module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -165,7 +176,10 @@ def setup(recipe: Recipe) -> Run:
     )
     # the scheduler is stepped once per optimizer step, by us: a prepared one would step once
     # per process, shortening the schedule under DDP
-    model, optimizer = accelerator.prepare(drafter.module, optimizer)
+    if fsdp:  # sharded already; accelerate runs the processes and saves the rest of the state
+        model = drafter.module
+    else:
+        model, optimizer = accelerator.prepare(drafter.module, optimizer)
     state = TrainState()
     accelerator.register_for_checkpointing(state, scheduler)
     pool = None
@@ -175,6 +189,8 @@ def setup(recipe: Recipe) -> Run:
     if resuming:
         try:
             accelerator.load_state(str(run_dir / "state"))
+            if fsdp:
+                sharding.load(model, optimizer, run_dir / "state")
         except Exception as err:  # a damaged state directory, named instead of a traceback
             raise ConfigError(
                 f"{run_dir / 'state'}: cannot resume from it ({first_line(err)}); restore it, "
@@ -199,6 +215,7 @@ def setup(recipe: Recipe) -> Run:
         heldout_rows,
         SourceAccuracy([*dataset["source"], POLICY_SOURCE], accelerator.device),
         pool,
+        replica,
     )
 
 
@@ -220,8 +237,9 @@ def train(recipe: Recipe) -> dict:
     window_tokens, window_start = 0, time.perf_counter()
     while state.step < cfg.max_steps:
         if run.pool is not None and run.pool.due(state.step):
+            drafter, _ = run.decoding()
             run.pool.refresh(
-                run.target, run.drafter, run.dataset, run.train_rows, state.step, accelerator
+                run.target, drafter, run.dataset, run.train_rows, state.step, accelerator
             )
         sums, grad_norm, tokens = optimizer_step(run)
         window_tokens += tokens
@@ -299,12 +317,14 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
     sums: dict[str, torch.Tensor] = {}
     for a, batch in enumerate(batches):
         last = a == len(batches) - 1
-        with nullcontext() if last else accelerator.no_sync(run.model):
+        with nullcontext() if last else _no_sync(run):
             parts = _micro_step(run, batch, per_process)
         for key, value in parts.items():
             sums[key] = sums.get(key, 0) + value
     grad_norm = None
-    if cfg.max_grad_norm > 0:
+    if cfg.max_grad_norm > 0 and run.replica is not None:
+        grad_norm = sharding.clip_grad_norm(run.model, cfg.max_grad_norm)
+    elif cfg.max_grad_norm > 0:
         grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
     run.optimizer.step()
     run.scheduler.step()
@@ -321,7 +341,7 @@ def save_and_score(run: Run, log: MetricsLog) -> None:
     """Save the full state (for resuming), then the drafter as a checkpoint with its score
     (:func:`score_saved`). The state comes first: a run killed in between resumes at this
     step and scores it then."""
-    _save(run.accelerator, run.recipe.run_dir / "state")
+    _save(run, run.recipe.run_dir / "state")
     score_saved(run, log)
 
 
@@ -329,9 +349,9 @@ def score_saved(run: Run, log: MetricsLog) -> None:
     """On the main process save the drafter as ``checkpoints/step-N`` and score it; every
     process waits for the score."""
     accelerator = run.accelerator
+    drafter, model = run.decoding()
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(run.model)
-        metrics = score_checkpoint(model, run.drafter, run.target, run.recipe, run.state.step)
+        metrics = score_checkpoint(model, drafter, run.target, run.recipe, run.state.step)
         log.write(run.state.step, metrics)
         model.train()
     accelerator.wait_for_everyone()
@@ -356,10 +376,21 @@ def _micro_step(run: Run, batch: dict, num_tokens: torch.Tensor) -> dict:
     return metrics
 
 
-def _save(accelerator: Accelerator, state_dir: Path) -> None:
-    """``save_state`` into a temporary directory, then swap it in (atomic for a reader)."""
+def _no_sync(run: Run):
+    """Gradients of this micro-batch kept local (the step's last one reduces them)."""
+    if run.replica is not None:
+        return sharding.no_sync(run.model)
+    return run.accelerator.no_sync(run.model)
+
+
+def _save(run: Run, state_dir: Path) -> None:
+    """``save_state`` (and under FSDP the gathered model and optimizer) into a temporary
+    directory, then swap it in (atomic for a reader)."""
+    accelerator = run.accelerator
     tmp = state_dir.with_name("state.tmp")
     accelerator.save_state(str(tmp))
+    if run.replica is not None:
+        sharding.save(run.model, run.optimizer, tmp, accelerator.is_main_process)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         replace_dir(tmp, state_dir)
