@@ -11,7 +11,9 @@ only while that unit runs. The frozen target is not sharded; every process holds
 A sharded forward is a collective: every process must run it. What one process does alone
 with the drafter (saving and scoring a checkpoint) or each does on rows of its own (held-out
 metrics, on-policy rollouts) runs on an unsharded replica instead, loaded first from the
-gathered weights (:func:`refresh`, which every process calls).
+gathered weights (:func:`refresh`, which every process calls). The replica holds weights only
+(no gradients, no optimizer state): a process holds 1 + 3/N drafter-sized tensors where DDP
+holds 4 (weights, gradients, two Adam moments).
 
 The saved state holds the whole model and optimizer (gathered, written by the main process
 beside accelerate's scheduler, counters and RNG states); on resume every process reads it
