@@ -26,6 +26,7 @@ def test_shipped_files_are_found():
         "cpu.yaml",
         "single_gpu.yaml",
         "multi_gpu.yaml",
+        "fsdp.yaml",
     }
 
 
