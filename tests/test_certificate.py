@@ -17,11 +17,16 @@ import torch
 from markov import reference_law
 from scipy.stats import chi2
 
+from specdec import drafters
+from specdec.decoding.compact import target_session
 from specdec.decoding.sampling import SamplingParams
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.draft_model import DraftModelConfig, build_draft_model
+from specdec.drafters.eagle3 import Eagle3Config
 from specdec.scoring.certificate import (
     TIE_MARGIN,
+    PromptOnce,
+    _draw,
     chi2_sf,
     exact_probabilities,
     greedy_certificate,
@@ -175,3 +180,31 @@ def test_greedy_large_margin_fails():
     close = {"prompt": 0, "position": 3, "top2_margin": 0.05}
     assert greedy_certificate([close], 1, tie_margin_for(torch.bfloat16))["passed"]
     assert not greedy_certificate([close], 1, tie_margin_for(torch.float32))["passed"]
+
+
+@pytest.mark.parametrize("family", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("forward", ["compact", "transformers"])
+def test_prompt_read_once_draws_what_fresh_sessions_draw(setup, family, forward):
+    """The certificate reads each prompt once (PromptOnce); its draws, seed for seed, equal
+    those of a fresh session per draw, for a drafter that reads the target's features too.
+    Two prompts, so the reuse is also dropped when the prompt changes."""
+    model, prompts, drafter = setup
+    if family == "eagle3":
+        target = FrozenTarget(model, tiny_models.tiny_llama()[1], name="tiny-sharp")
+        torch.manual_seed(0)
+        drafter = drafters.build(
+            target, Eagle3Config(draft_vocab_size=64), torch.ones(model.config.vocab_size)
+        )
+    layers = drafter.required_target_layers
+    params = SamplingParams(temperature=1.0)
+    seeds = list(range(40))
+    reused = PromptOnce(target_session(model, forward, layers))
+    for prompt in prompts[:2]:
+        fresh = [
+            _draw(target_session(model, forward, layers), drafter, prompt, [s], 4, params)[0][0]
+            for s in seeds
+        ]
+        draws, (drafted, accepted) = _draw(reused, drafter, prompt, seeds, 4, params)
+        assert draws == fresh
+        assert drafted == len(seeds) and 0 < accepted < drafted  # rejections happen too
+        assert len(set(draws)) > 10

@@ -168,6 +168,25 @@ def test_compare_flags_speedups_whose_intervals_do_not_overlap(results):
     ]
 
 
+def test_compare_judges_transformers_methods_against_generate(results):
+    """A transformers method's ratio over specdec's plain may move with the machine while its
+    ratio over generate() does not: the own-runtime column reads the latter."""
+    before = json.loads(json.dumps(results[0]))
+    methods = before["configs"][0]["methods"]
+    assert methods["hf_prompt_lookup"]["runtime"] == "transformers"
+    assert methods["generate"]["runtime"] == "transformers"
+    assert methods["plain"]["runtime"] == methods["prompt_lookup"]["runtime"] == "specdec"
+    r = methods["hf_prompt_lookup"]
+    r["speedup_ci"], r["speedup_vs_generate_ci"] = [0.30, 0.35], [0.9, 1.1]
+    after = json.loads(json.dumps(before))
+    r = after["configs"][0]["methods"]["hf_prompt_lookup"]
+    r["speedup_ci"], r["speedup_vs_generate_ci"] = [0.36, 0.40], [1.0, 1.2]
+    row = next(x for x in compare(before, after) if x.startswith("| k=1, T=0 | hf_prompt_lookup"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4] == "NO" and cells[6] == "yes", row
+    assert cells[5].startswith(f"{r['speedup_vs_generate']:.2f}x [0.90, 1.10] ->"), row
+
+
 @pytest.fixture
 def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
@@ -221,3 +240,17 @@ def test_earlier_results_are_kept_unless_forced(capsys, files, tmp_path, no_mode
         capsys, [*argv, "--out", str(tmp_path / "p"), "--compare", str(tmp_path / "old.json")]
     )
     assert f"--compare {tmp_path / 'old.json'}: unreadable" in err
+
+
+def test_prompts_are_taken_round_robin_over_categories(tmp_path):
+    """A pool sorted by category (as MT-bench is) gives every category, each in its order."""
+    from specdec.scoring.command import load_prompts
+
+    rows = [{"prompt": f"{task} {i}", "task": task} for task in "abc" for i in range(3)]
+    sorted_file = tmp_path / "sorted.jsonl"
+    sorted_file.write_text("\n".join(json.dumps(r) for r in rows))
+    picked = load_prompts((str(sorted_file),), 5, category_key="task", stratify=True)
+    assert [r["category"] for r in picked] == ["a", "b", "c", "a", "b"]
+    assert [r["messages"][0]["content"] for r in picked] == ["a 0", "b 0", "c 0", "a 1", "b 1"]
+    first = load_prompts((str(sorted_file),), 5, category_key="task")
+    assert [r["category"] for r in first] == ["a", "a", "a", "b", "b"]  # score's pick: in order

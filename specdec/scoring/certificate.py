@@ -13,6 +13,10 @@ decided by the acceptance test (accepted draft or residual resample) and t3 is t
 or a plain step. The law of each t_i given what precedes it is computed exactly from one target
 forward per context, and the observed counts are compared with it by Pearson's chi-square test
 pooled over contexts (Anderson and Goodman 1957), so the reference is never sampled.
+
+All draws of one prompt share the prompt's forward (:class:`PromptOnce`): the target's cache
+entries of the prompt are what a fresh prefill writes, so a draw costs the few forwards of its
+three tokens, not a prefill; the draws are exactly those of fresh sessions (tested).
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def sampling_certificate(
         raise ValueError("sampling_certificate needs temperature > 0; use greedy_certificate")
     start = time.perf_counter()
     per_prompt = samples // len(prompts)
-    target = target_session(model, target_forward, drafter.required_target_layers)
+    target = PromptOnce(target_session(model, target_forward, drafter.required_target_layers))
     seeds = torch.randint(
         0, 2**62, (len(prompts), per_prompt), generator=torch.Generator().manual_seed(seed)
     )
@@ -152,6 +156,45 @@ def sampling_certificate(
             "merged, pooled over contexts"
         ),
     }
+
+
+class PromptOnce:
+    """A target session that runs a prompt's forward once for many decodes of it.
+
+    ``generate`` resets the session and extends it by the prompt; when the prompt is the one
+    read last, the cache is rolled back to it (its entries are never rewritten: every round
+    keeps the whole sequence) and the prefill's logits and features are returned again.
+    Everything else is the wrapped session's.
+    """
+
+    def __init__(self, session):
+        self.session = session
+        self.fresh = False
+        self.prompt: list[int] | None = None
+        self.logits: torch.Tensor | None = None
+        self.features: dict = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.session, name)
+
+    def reset(self) -> None:
+        self.fresh = True
+
+    def extend(self, tokens, last_only: bool = False, positions=None, mask=None) -> torch.Tensor:
+        if not self.fresh:
+            return self.session.extend(tokens, last_only, positions, mask)
+        self.fresh = False
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        plain = last_only and positions is None and mask is None
+        if plain and ids == self.prompt:
+            self.session.rollback(len(ids))
+            self.session.hidden = dict(self.features)
+            return self.logits
+        self.session.reset()
+        logits = self.session.extend(tokens, last_only, positions, mask)
+        self.prompt = ids if plain else None
+        self.logits, self.features = logits.clone(), dict(self.session.hidden)
+        return logits
 
 
 def _draw(target, drafter, prompt, seeds: list[int], k: int, params) -> tuple:

@@ -62,10 +62,16 @@ def _check_training_free(name: str) -> None:
 
 
 def load_prompts(
-    sources: tuple[str, ...], num_prompts: int, cache_dir=None, category_key: str | None = None
+    sources: tuple[str, ...],
+    num_prompts: int,
+    cache_dir=None,
+    category_key: str | None = None,
+    stratify: bool = False,
 ) -> list[dict]:
     """``num_prompts`` rows taken round-robin from the sources, so every source is present;
-    ``category_key`` names the column files give each row's category in."""
+    ``category_key`` names the column files give each row's category in. ``stratify`` takes
+    each source's rows round-robin over its categories too (a pool sorted by category, as
+    MT-bench is, would otherwise give its first category only)."""
     from specdec.data.prompts import load_prompt_rows
 
     if num_prompts < 1:
@@ -74,6 +80,8 @@ def load_prompts(
     for src, pool in zip(sources, pools, strict=True):
         for row in pool:
             row.setdefault("category", row.get("category") or Path(src).stem)
+    if stratify:
+        pools = [interleave_categories(pool) for pool in pools]
     rows, i = [], 0
     while len(rows) < num_prompts and any(i < len(p) for p in pools):
         rows += [p[i] for p in pools if i < len(p)]
@@ -81,6 +89,18 @@ def load_prompts(
     if not rows:
         raise DataError(f"no usable prompts in {', '.join(sources)}")
     return rows[:num_prompts]
+
+
+def interleave_categories(rows: list[dict]) -> list[dict]:
+    """The rows round-robin over their categories (in order of first appearance), each
+    category's rows in their own order."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["category"], []).append(row)
+    out = []
+    for i in range(max((len(g) for g in groups.values()), default=0)):
+        out += [g[i] for g in groups.values() if i < len(g)]
+    return out
 
 
 def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:

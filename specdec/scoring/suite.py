@@ -1,7 +1,8 @@
 """``specdec eval``: many methods over one prompt set, in one process, measured side by side.
 
 Every method (see :mod:`specdec.scoring.methods`) decodes every prompt, for every setting of
-the sweep (k, temperature); the order of the methods rotates from prompt to prompt, so drift in
+the sweep (k, temperature); the prompts are taken round-robin over the sources and, within
+each, over its categories; the order of the methods rotates from prompt to prompt, so drift in
 the machine's load falls on all of them alike. The first ``warmup`` prompts are decoded and
 dropped. Speedups are ratios of total tokens per second against specdec's plain decoding (and
 against transformers' ``generate()``), each with a 95% bootstrap interval over prompts. At
@@ -126,7 +127,11 @@ def run_eval(job: EvalJob) -> dict:
     methods = job.check()
     # prompt files fail here, before any model loads
     rows = load_prompts(
-        tuple(job.sources), job.warmup + job.num_prompts, job.cache_dir, job.category_column
+        tuple(job.sources),
+        job.warmup + job.num_prompts,
+        job.cache_dir,
+        job.category_column,
+        stratify=True,
     )
     target_spec = job.target or next(
         (m.meta["target"] for m in methods if m.meta.get("target")), "smollm2-135m-instruct"
@@ -223,6 +228,10 @@ def _summarize(m, gens, settings, categories, job, model, encoded) -> dict:
     if settings.temperature == 0:
         out["generate_match_rate"] = metrics.greedy_identity(own, hf)["greedy_match_rate"]
     out["speedup_vs_generate"] = metrics.timing(own, hf)["speedup"]
+    # the plain decoding of the method's own runtime: ratios within one runtime share its
+    # kernels, so the machine's state moves both sides alike (across runtimes it need not)
+    transformers = m.kind == "transformers" or m.name == mth.GENERATE
+    out["runtime"] = "transformers" if transformers else "specdec"
     rng = np.random.default_rng(job.seed)
     out["speedup_ci"] = bootstrap_ratio(own, plain, job.bootstrap, rng)
     out["speedup_vs_generate_ci"] = bootstrap_ratio(own, hf, job.bootstrap, rng)
