@@ -60,11 +60,9 @@ def test_reduced_vocabulary_is_not_exported(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_unknown_and_future_formats():
-    assert set(EXPORTERS) == {"hf", "speculators", "sglang"}
-    with pytest.raises(ConfigError, match="'medusa' is not yet available; available: hf"):
-        export("medusa", "ckpt", "out", None)
-    with pytest.raises(ConfigError, match="unknown export format 'hff' .*'hf'.*not yet available"):
+def test_unknown_formats():
+    assert set(EXPORTERS) == {"hf", "speculators", "sglang", "medusa", "vllm_medusa"}
+    with pytest.raises(ConfigError, match="unknown export format 'hff' .*'hf'.*; available: hf"):
         export("hff", "ckpt", "out", None)
 
 

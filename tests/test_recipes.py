@@ -20,6 +20,8 @@ def test_shipped_files_are_found():
         "smollm2-135m/demo.yaml",
         "smollm2-135m/draft_model.yaml",
         "smollm2-135m/prompt_lookup.yaml",
+        "smollm2-135m/medusa1.yaml",
+        "debug/tiny_medusa.yaml",
         "qwen3-8b/draft_model.yaml",
     } <= names
     assert {p.name for p in ACCELERATE_FILES} == {

@@ -23,7 +23,6 @@ from specdec.config.loader import (
 from specdec.config.schema import (
     ACCELERATE_DIR,
     DEFAULT_TARGET,
-    EXPORT_FORMATS,
     LOSS_NAMES,
     TRACKERS,
     DataConfig,
@@ -38,12 +37,13 @@ from specdec.config.schema import (
     RunConfig,
     TargetConfig,
     TrainConfig,
+    export_formats,
 )
 
 __all__ = [
     "Recipe", "RunConfig", "TargetConfig", "DrafterConfig", "PromptSource", "RegenerateConfig",
     "DataConfig", "LossConfig", "TrainConfig", "EvalConfig", "ExportConfig",
-    "EXPORT_FORMATS", "LOSS_NAMES", "TRACKERS", "describe", "iter_recipes", "load_recipe",
+    "export_formats", "LOSS_NAMES", "TRACKERS", "describe", "iter_recipes", "load_recipe",
     "recipe_from_dict", "recipe_to_dict", "save_recipe", "ACCELERATE_DIR", "DEFAULT_TARGET",
     "LossName",
 ]  # fmt: skip

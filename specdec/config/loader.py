@@ -227,7 +227,8 @@ def _describe_lines(cls: type, prefix: str) -> Iterator[str]:
             continue
         rules = [f"{BOUNDS[r][0]} {meta[r]}" for r in BOUNDS if r in meta]
         if "choices" in meta:
-            rules.insert(0, "one of " + ", ".join(meta["choices"]))
+            choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
+            rules.insert(0, "one of " + ", ".join(choices))
         yield f"{key}: {type_name(tp)} = {_default_text(f)}"
         yield f"    {meta['help']}" + (f" [{'; '.join(rules)}]" if rules else "")
         item = get_args(tp)[0] if get_origin(tp) is list else None

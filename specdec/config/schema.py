@@ -16,17 +16,25 @@ from typing import Any, Literal, get_args
 
 LossName = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)
-EXPORT_FORMATS = ("hf", "speculators", "sglang", "medusa")
 TRACKERS = ("wandb", "tensorboard")
 DEFAULT_TARGET = "smollm2-135m-instruct"
 ACCELERATE_DIR = "accelerate"
+
+
+def export_formats() -> tuple[str, ...]:
+    """The formats ``specdec export`` writes (the exporters' registry, which drafter families
+    extend with layouts of their own)."""
+    from specdec.export import EXPORTERS
+
+    return tuple(EXPORTERS)
 
 
 def _opt(default: Any = MISSING, help: str = "", **rules: Any) -> Any:
     """A dataclass field with help text and optional ``rules`` checked on load.
 
     Rules: ``ge``, ``gt``, ``le``, ``lt`` bound a number; ``choices`` lists the allowed strings
-    (for a list, each item; for a dict, each key). Mutable defaults become factories.
+    (for a list, each item; for a dict, each key), or a function returning them (a registry read
+    when a recipe is checked). Mutable defaults become factories.
     """
     metadata = {"help": help, **rules}
     if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
@@ -303,7 +311,7 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    formats: list[str] = _opt(["hf"], "Export formats.", choices=EXPORT_FORMATS)
+    formats: list[str] = _opt(["hf"], "Export formats.", choices=export_formats)
     output_dir: str | None = _opt(None, "Where exports go; null: <run dir>/export.")
 
 

@@ -134,6 +134,7 @@ def _check_rules(f: dataclasses.Field, value: Any, key: str) -> None:
             (f"{key}[{i}]" if items is value else key, v) for i, v in enumerate(items)
         ]
     choices = f.metadata.get("choices")
+    choices = choices() if callable(choices) else choices
     for item_key, name in names if choices else ():
         if name not in choices:
             allowed = ", ".join(repr(c) for c in choices)

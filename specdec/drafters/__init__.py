@@ -17,6 +17,7 @@ from specdec.drafters.checkpoint import read_meta
 from specdec.drafters.draft_model import DraftModelDrafter, load_draft_model
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.hybrid import HybridDrafter
+from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.vocabulary import token_counts
 from specdec.errors import ConfigError, ModelError
@@ -24,6 +25,7 @@ from specdec.errors import ConfigError, ModelError
 REGISTRY: dict[str, type[Drafter]] = {
     "draft_model": DraftModelDrafter,
     "eagle3": Eagle3Drafter,
+    "medusa": MedusaDrafter,
     "prompt_lookup": PromptLookupDrafter,
 }
 #: the family of a recipe whose ``drafter:`` section names none
@@ -44,6 +46,12 @@ def drafter_class(name: str) -> type[Drafter]:
 def config_classes() -> dict[str, type]:
     """Family name -> the dataclass of its ``drafter:`` section."""
     return {name: cls.config_class for name, cls in REGISTRY.items()}
+
+
+def layout_formats() -> dict[str, type[Drafter]]:
+    """Serving layouts that families write themselves (``layouts``: format -> weights file),
+    by format name -> the family's class."""
+    return {fmt: cls for cls in REGISTRY.values() for fmt in getattr(cls, "layouts", {})}
 
 
 def is_trainable(name: str) -> bool:

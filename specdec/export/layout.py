@@ -32,6 +32,7 @@ def export_layout(
     out_dir: str | os.PathLike,
     target,
     expected_keys: Callable[[dict], set[str]],
+    weights_file: str = WEIGHTS_FILE,
 ) -> Path:
     """Write and verify the ``fmt`` export of a checkpoint; returns ``out_dir``.
 
@@ -49,10 +50,10 @@ def export_layout(
             "the format's key set"
         )
     with atomic_dir(out_dir) as tmp:
-        save_file(state, tmp / WEIGHTS_FILE)
+        save_file(state, tmp / weights_file)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         saved = json.loads((tmp / CONFIG_FILE).read_text())
-        reloaded = type(drafter).from_layout(fmt, saved, load_file(tmp / WEIGHTS_FILE), target)
+        reloaded = type(drafter).from_layout(fmt, saved, load_file(tmp / weights_file), target)
         _check_logits(tmp, drafter, reloaded, target)
     return Path(out_dir)
 

@@ -91,6 +91,7 @@ def heldout_metrics(run, batch_size: int) -> dict:
     model.train()
     steps = len(run.drafter.step_weights())
     keys = [f"train/acc@{s + 1}" for s in range(steps)]
+    keys += [f"train/top5@{s + 1}" for s in range(steps)]
     keys += ["train/loss", "train/expected_accept"]
     keys += [f"train/expected_accept@{s + 1}" for s in range(1, steps)]
     # every process reduces the same keys, those with no held-out rows zeros

@@ -124,6 +124,9 @@ def drafter_loss(
         # as when decoding
         agree = (draft.argmax(dim=-1) == teacher.tokens[s]) & mask.bool()  # [B, T]
         metrics[f"train/acc@{s + 1}"] = agree.sum() / num_tokens[s] / processes
+        top5 = draft.topk(min(5, draft.shape[-1]), dim=-1).indices  # [B, T, 5]
+        within = (top5 == teacher.tokens[s].unsqueeze(-1)).any(-1) & mask.bool()
+        metrics[f"train/top5@{s + 1}"] = within.sum() / num_tokens[s] / processes
         accept = acceptance_rate(draft, teacher.log_probs[s], mask)
         metrics[f"train/expected_accept{at}"] = accept * share
         if s == 0:

@@ -1,0 +1,361 @@
+"""Medusa heads (Cai et al. 2024): K small heads on the target's last hidden state.
+
+The target's LM head reads its last hidden state h_t and predicts token t + 1; Medusa adds K
+heads on the same h_t, head i predicting token t + 2 + i. Each head is ``num_layers``
+residual blocks ``x + SiLU(W x + b)`` followed by an LM head. The blocks start at zero (W and
+b), so every head starts as the target's own read-out; the LM head is the target's (frozen and
+shared, not saved) or, with ``draft_vocab_size``, one of the drafter's own over the most
+frequent tokens of the training answers, shared by the heads and started from the target's
+rows. Medusa-1: the target stays frozen.
+
+Training face: S = K steps, step s at row t predicts token t + 2 + s from the target's h_t
+(``shift = 1``); the teacher is the target's distribution at row t + 1 + s (soft targets), the
+loss weight of head s is ``decay ** s``.
+
+Decoding face: the heads read the target's features of the last verified position, which the
+verify forward already computed, so drafting costs K small matrix products and no forward of a
+model. A chain takes head i's token at depth i + 1; a tree (Medusa's static "choices", or a
+dynamic tree by path probability) gives every node at depth d the children of head d. The
+heads' draws at different depths are independent of each other; q at depth d is head d's
+processed distribution, whatever the tokens before it, which is a valid proposal for the
+rejection rule (it only needs the law each token was drawn from), so decoding stays exact.
+
+Checkpoints: ``model.safetensors`` (the blocks, and the own LM head with the ``d2t`` / ``t2d``
+vocabulary maps), ``config.json`` and ``drafter.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.config.schema import DrafterConfig, option
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.session import Clock
+from specdec.drafters import vocabulary
+from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
+from specdec.drafters.checkpoint import CHECKPOINT_FILE, read_meta
+from specdec.drafters.tree import draft_tree
+from specdec.errors import ModelError
+from specdec.files import atomic_dir
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+#: the target layer the heads read: the last one, after the final norm (the LM head's input)
+LAST = -1
+
+
+@dataclass
+class MedusaConfig(DrafterConfig):
+    type: str = option("medusa", "Drafter family (registry name).")
+    num_heads: int = option(4, "Heads K: head i predicts the token i + 2 ahead.", ge=1, le=16)
+    num_layers: int = option(1, "Residual blocks per head.", ge=1)
+    draft_vocab_size: int | None = option(
+        None, "null: the heads read out through the target's LM head (frozen, shared, not "
+        "saved); a number: through an LM head of their own over that many of the most frequent "
+        "target tokens of the training answers (trained, shared by the heads).", ge=1,
+    )  # fmt: skip
+    head_weight_decay: float = option(
+        0.8, "Loss weight of head i: decay ** i (later heads are harder).", gt=0, le=1
+    )
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)``, started at zero (the identity)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """The trainable heads. The target's LM head, when used, is borrowed (not a submodule).
+
+    Args:
+        cfg: ``num_heads``, ``num_layers``, ``hidden_size``, ``draft_vocab_size`` and
+            ``own_head`` (an LM head of their own).
+        target_head: the target's output embedding module.
+    """
+
+    def __init__(self, cfg: dict, target_head: nn.Module):
+        super().__init__()
+        self.cfg = dict(cfg)
+        hidden = cfg["hidden_size"]
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden) for _ in range(cfg["num_layers"])])
+            for _ in range(cfg["num_heads"])
+        )
+        self.lm_head = None
+        if cfg["own_head"]:
+            self.lm_head = nn.Linear(hidden, cfg["draft_vocab_size"], bias=False)
+        self._borrowed = (target_head,)  # a tuple: nn.Module does not register what is inside
+
+    def read_out(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        weight = self._borrowed[0].weight.detach()
+        return nn.functional.linear(x, weight.to(x.dtype))
+
+    def forward(self, input_ids, attention_mask, features: list[torch.Tensor]) -> torch.Tensor:
+        """``[S, B, T, D]``: head s at row t, from the target's last hidden state at t."""
+        h = features[0].to(self.blocks[0][0].linear.weight.dtype)
+        return torch.stack([self.read_out(block(h)) for block in self.blocks])
+
+    @torch.inference_mode()
+    def heads(self, h: torch.Tensor) -> torch.Tensor:
+        """``[K, D]`` every head's logits from one ``[H]`` hidden state."""
+        return self.forward(None, None, [h.view(1, -1)])[:, 0].float()
+
+
+class MedusaDrafter(TrainableDrafter):
+    """Medusa heads as a drafter (see the module docstring).
+
+    Args:
+        model: the heads.
+        target_layer: the target layer they read (resolved: the last one).
+        draft_ids: ``[D]`` target ids of their outputs, or None for the full vocabulary.
+        vocab_size: the target's vocabulary size (width of q).
+        head_weight_decay: loss weight of head s is ``decay ** s``.
+    """
+
+    name = "medusa"
+    branches = True
+    config_class = MedusaConfig
+    shift = 1
+    #: serving layouts (format -> weights file), see :mod:`specdec.drafters.medusa_layouts`
+    layouts = {"medusa": "medusa_lm_head.safetensors", "vllm_medusa": "model.safetensors"}
+
+    def __init__(
+        self,
+        model: MedusaHeads,
+        target_layer: int,
+        draft_ids: torch.Tensor | None,
+        vocab_size: int,
+        head_weight_decay: float = 0.8,
+    ):
+        self.model = model
+        self.required_target_layers = (target_layer,)
+        self.draft_ids = draft_ids
+        self.vocab_size = vocab_size
+        self.steps = model.cfg["num_heads"]
+        self.decay = head_weight_decay
+        self.confidence = 0.0
+        self.clock = Clock(next(model.parameters()).device)
+        self.seconds = 0.0
+        self.h: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------ building
+
+    @staticmethod
+    def _head_config(target, cfg: MedusaConfig, draft_ids) -> dict:
+        return {
+            "num_heads": cfg.num_heads,
+            "num_layers": cfg.num_layers,
+            "hidden_size": target.hidden_size,
+            "draft_vocab_size": target.vocab_size if draft_ids is None else len(draft_ids),
+            "own_head": draft_ids is not None,
+        }
+
+    @classmethod
+    def build(cls, target, cfg: MedusaConfig, token_counts=None) -> MedusaDrafter:
+        """Fresh heads for ``target`` (each the target's own read-out), on its device."""
+        draft_ids = vocabulary.draft_vocab(target, cfg.draft_vocab_size, token_counts)
+        head = target.model.get_output_embeddings()
+        model = MedusaHeads(cls._head_config(target, cfg, draft_ids), head)
+        model.to(device=target.device, dtype=head.weight.dtype)
+        if draft_ids is not None:
+            with torch.no_grad():
+                rows = head.weight.index_select(0, draft_ids.to(head.weight.device))
+                model.lm_head.weight.copy_(rows)
+        layer = target.resolve_layers([LAST])[0]
+        return cls(model, layer, draft_ids, target.vocab_size, cfg.head_weight_decay)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, target) -> MedusaDrafter:
+        """Load a checkpoint written by :meth:`save` for ``target``.
+
+        Raises:
+            ModelError: not a medusa checkpoint, or its weights or sizes do not fit.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        meta = read_meta(path)
+        if meta.get("type") != cls.name:
+            raise ModelError(f"{path}: a '{meta.get('type')}' checkpoint, not '{cls.name}'")
+        try:
+            saved = json.loads((path / CONFIG_FILE).read_text())
+            head_cfg = saved["heads"]
+            state = load_file(path / WEIGHTS_FILE)
+        except (OSError, ValueError, KeyError, SafetensorError) as err:
+            raise ModelError(f"{path}: unreadable medusa checkpoint ({err})") from None
+        if head_cfg["hidden_size"] != target.hidden_size or (
+            not head_cfg["own_head"] and head_cfg["draft_vocab_size"] != target.vocab_size
+        ):
+            raise ModelError(
+                f"{path}: made for a target with hidden size {head_cfg['hidden_size']} and "
+                f"vocabulary {saved.get('target_vocab_size')}; {target.name} has "
+                f"{target.hidden_size} and {target.vocab_size}"
+            )
+        draft_ids = vocabulary.from_d2t(state.pop("d2t")) if "d2t" in state else None
+        state.pop("t2d", None)
+        if head_cfg["own_head"] and (
+            draft_ids is None
+            or len(draft_ids) != head_cfg["draft_vocab_size"]
+            or int(draft_ids.max()) >= target.vocab_size
+        ):
+            raise ModelError(f"{path}: its draft vocabulary (d2t) does not fit its head or target")
+        head = target.model.get_output_embeddings()
+        model = MedusaHeads(head_cfg, head)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise ModelError(f"{path}: weights do not fit the config: {err}") from None
+        model.to(target.device)
+        layer = target.resolve_layers([LAST])[0]
+        decay = saved.get("head_weight_decay", 0.8)
+        return cls(model, layer, draft_ids, target.vocab_size, decay)
+
+    def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
+        """Write a checkpoint directory atomically: it is complete or it does not exist."""
+        from safetensors.torch import save_file
+
+        import specdec
+
+        meta = {
+            "type": self.name,
+            "target": target_name,
+            "draft_vocab_size": None if self.draft_ids is None else len(self.draft_ids),
+            "num_heads": self.steps,
+            "specdec_version": specdec.__version__,
+        }
+        if clash := set(meta) & set(extra or {}):
+            raise ValueError(f"extra entries would overwrite {sorted(clash)}")
+        meta.update(extra or {})
+        state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+        if self.draft_ids is not None:
+            state["d2t"] = vocabulary.d2t(self.draft_ids.cpu())
+            state["t2d"] = vocabulary.t2d(self.draft_ids.cpu(), self.vocab_size)
+        config = {
+            "heads": self.model.cfg,
+            "target_vocab_size": self.vocab_size,
+            "head_weight_decay": self.decay,
+        }
+        with atomic_dir(path) as tmp:
+            save_file(state, tmp / WEIGHTS_FILE)
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        return Path(path)
+
+    # ----------------------------------------------------------------------- serving layouts
+
+    def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
+        """``(config.json, weights)`` of the heads in a serving engine's layout."""
+        from specdec.drafters import medusa_layouts
+
+        if fmt not in self.layouts:
+            return super().export_layout(fmt, target)
+        return medusa_layouts.export(self, fmt, target)
+
+    @staticmethod
+    def layout_keys(fmt: str, config: dict) -> set[str]:
+        """The weights the layout's loader reads, from its ``config.json``."""
+        from specdec.drafters import medusa_layouts
+
+        return medusa_layouts.expected_keys(fmt, config)
+
+    @classmethod
+    def from_layout(cls, fmt: str, config: dict, state: dict, target) -> MedusaDrafter:
+        """Heads back from an export (to verify it).
+
+        Raises:
+            ModelError: the weights do not fit, or a full-vocabulary LM head is not the
+                target's (specdec's heads read out through it).
+        """
+        from specdec.drafters import medusa_layouts
+
+        heads_cfg, heads_state, draft_ids, head = medusa_layouts.specdec_state(fmt, config, state)
+        target_head = target.model.get_output_embeddings()
+        if not heads_cfg["own_head"] and not torch.equal(
+            head.to(target_head.weight.device), target_head.weight.detach()
+        ):
+            raise ModelError(f"{fmt} export: its LM head is not the target's")
+        model = MedusaHeads(heads_cfg, target_head)
+        try:
+            model.load_state_dict(heads_state, strict=True)
+        except RuntimeError as err:
+            raise ModelError(f"{fmt} export: weights do not fit its config: {err}") from None
+        layer = target.resolve_layers([LAST])[0]
+        return cls(model.to(target.device), layer, draft_ids, target.vocab_size)
+
+    # ------------------------------------------------------------------------- training face
+
+    @property
+    def module(self) -> MedusaHeads:
+        return self.model
+
+    def step_weights(self) -> torch.Tensor:
+        return self.decay ** torch.arange(self.steps, dtype=torch.float32)
+
+    # ------------------------------------------------------------------------- decoding face
+
+    def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
+        self.confidence, self.tree = confidence, tree
+
+    def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
+        self.model.eval()
+        self.h = None
+        self.commit(0, target_features)
+
+    def commit(self, num_accepted: int, target_features: dict | None = None) -> None:
+        if not target_features:
+            raise ModelError("the medusa heads need the target's last hidden state")
+        rows = target_features[self.required_target_layers[0]]
+        if len(rows):
+            self.h = rows[-1]
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        sequence: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        t0 = self.clock()
+        logits = self.model.heads(self.h)  # [K, D]: head i drafts depth i + 1
+        k = min(k, self.steps)
+        if self.tree is not None:
+
+            def feed(nodes: list[int], parents: list[int], tokens: torch.Tensor) -> torch.Tensor:
+                depth = {-1: 0}
+                for j, parent in enumerate(parents):
+                    depth[j] = depth[parent] + 1
+                return logits[[depth[j] for j in nodes]]  # a node at depth d: head d's
+
+            proposal = draft_tree(
+                self.tree, logits[0], feed, k, params, generator, self.draft_ids, self.vocab_size
+            )
+        else:
+            proposal = draft_chain(
+                logits[0], lambda token, i: logits[i + 1], k, params, generator,
+                self.draft_ids, self.vocab_size, self.confidence,
+            )  # fmt: skip
+        self.seconds += self.clock() - t0
+        return proposal
+
+    @property
+    def draft_seconds(self) -> float:
+        return self.seconds

@@ -1,0 +1,57 @@
+"""Training Medusa-1 heads through the one training loop on the tiny medusa recipe: the heads
+change, the target (its LM head included, which the full-vocabulary heads read out through)
+stays bit-identical, every checkpoint is scored, and per-head metrics are logged."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from test_eagle3_training import overrides
+from test_training import setup
+
+from specdec import drafters
+from specdec.config import load_recipe
+from specdec.target import FrozenTarget
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "debug" / "tiny_medusa.yaml"
+
+files = setup  # the tiny target and prompt files of the draft-model training tests
+
+
+def test_heads_train_and_the_target_stays_frozen(files, tmp_path, monkeypatch):
+    from specdec.training.loop import train
+
+    seen = []
+    real = FrozenTarget.from_config.__func__
+
+    def capture(cls, cfg):
+        seen.append(real(cls, cfg))
+        return seen[-1]
+
+    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
+    run_dir = tmp_path / "run"
+    # the target's own LM head, shared by the heads: its weights must not move either
+    extra = ("train.save_every=100", "drafter.draft_vocab_size=null")
+    recipe = load_recipe(RECIPE, overrides(files, run_dir, *extra))
+    summary = train(recipe)
+    assert summary["steps"] == 4
+    before = load_file(files / "target" / "model.safetensors")
+    after = seen[0].model.state_dict()
+    assert set(before) <= set(after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), f"target {name} changed"
+
+    ckpt_dir = run_dir / "checkpoints" / "step-000004"
+    ckpt = load_file(ckpt_dir / "model.safetensors")
+    torch.manual_seed(recipe.run.seed)
+    fresh = drafters.build(seen[0], recipe.drafter)
+    assert set(ckpt) == set(fresh.module.state_dict())  # the heads only: no LM head saved
+    for name, tensor in fresh.module.state_dict().items():
+        assert not torch.equal(tensor, ckpt[name]), f"{name} did not change"
+    score = json.loads((ckpt_dir / "score.json").read_text())
+    assert score["drafter"] == "medusa" and score["greedy_match_rate"] == 1.0
+    logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    for s in (1, 2, 3):
+        assert 0.0 <= logged[f"train/acc@{s}"] <= logged[f"train/top5@{s}"] <= 1.0
