@@ -378,7 +378,8 @@ def test_describe_lists_every_key():
     ):
         assert key in text
     assert "Peak learning rate" in text and "[> 0]" in text
-    assert "drafter.type: one of draft_model, eagle3, medusa, prompt_lookup = 'draft_model'" in text
+    families = "draft_model, eagle3, medusa, mtp, prompt_lookup"
+    assert f"drafter.type: one of {families} = 'draft_model'" in text
     assert "drafter:  # when drafter.type is 'eagle3'" in text
     assert "drafter.ttt_steps: int = 3" in text and "drafter.max_ngram: int = 3" in text
 

@@ -21,7 +21,9 @@ def test_shipped_files_are_found():
         "smollm2-135m/draft_model.yaml",
         "smollm2-135m/prompt_lookup.yaml",
         "smollm2-135m/medusa1.yaml",
+        "smollm2-135m/mtp.yaml",
         "debug/tiny_medusa.yaml",
+        "debug/tiny_mtp.yaml",
         "qwen3-8b/draft_model.yaml",
     } <= names
     assert {p.name for p in ACCELERATE_FILES} == {

@@ -18,6 +18,7 @@ from specdec.drafters.draft_model import DraftModelDrafter, load_draft_model
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.medusa import MedusaDrafter
+from specdec.drafters.mtp import MTPDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.vocabulary import token_counts
 from specdec.errors import ConfigError, ModelError
@@ -26,6 +27,7 @@ REGISTRY: dict[str, type[Drafter]] = {
     "draft_model": DraftModelDrafter,
     "eagle3": Eagle3Drafter,
     "medusa": MedusaDrafter,
+    "mtp": MTPDrafter,
     "prompt_lookup": PromptLookupDrafter,
 }
 #: the family of a recipe whose ``drafter:`` section names none

@@ -1,10 +1,12 @@
-"""Training Medusa-1 heads through the one training loop on the tiny medusa recipe: the heads
-change, the target (its LM head included, which the full-vocabulary heads read out through)
-stays bit-identical, every checkpoint is scored, and per-head metrics are logged."""
+"""Training heads on a frozen target (Medusa-1, MTP) through the one training loop on their
+tiny recipes: the heads change, the target (its LM head included, which full-vocabulary heads
+read out through) stays bit-identical, every checkpoint is scored, per-head metrics are
+logged."""
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_eagle3_training import overrides
@@ -15,12 +17,13 @@ from specdec.config import load_recipe
 from specdec.target import FrozenTarget
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "debug" / "tiny_medusa.yaml"
+RECIPES = {"medusa": ("tiny_medusa.yaml", 3), "mtp": ("tiny_mtp.yaml", 2)}
 
 files = setup  # the tiny target and prompt files of the draft-model training tests
 
 
-def test_heads_train_and_the_target_stays_frozen(files, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", list(RECIPES))
+def test_heads_train_and_the_target_stays_frozen(files, tmp_path, monkeypatch, family):
     from specdec.training.loop import train
 
     seen = []
@@ -34,7 +37,8 @@ def test_heads_train_and_the_target_stays_frozen(files, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     # the target's own LM head, shared by the heads: its weights must not move either
     extra = ("train.save_every=100", "drafter.draft_vocab_size=null")
-    recipe = load_recipe(RECIPE, overrides(files, run_dir, *extra))
+    name, steps = RECIPES[family]
+    recipe = load_recipe(ROOT / "recipes" / "debug" / name, overrides(files, run_dir, *extra))
     summary = train(recipe)
     assert summary["steps"] == 4
     before = load_file(files / "target" / "model.safetensors")
@@ -51,7 +55,7 @@ def test_heads_train_and_the_target_stays_frozen(files, tmp_path, monkeypatch):
     for name, tensor in fresh.module.state_dict().items():
         assert not torch.equal(tensor, ckpt[name]), f"{name} did not change"
     score = json.loads((ckpt_dir / "score.json").read_text())
-    assert score["drafter"] == "medusa" and score["greedy_match_rate"] == 1.0
+    assert score["drafter"] == family and score["greedy_match_rate"] == 1.0
     logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    for s in (1, 2, 3):
+    for s in range(1, steps + 1):
         assert 0.0 <= logged[f"train/acc@{s}"] <= logged[f"train/top5@{s}"] <= 1.0
