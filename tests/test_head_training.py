@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_eagle3_training import overrides
-from test_training import setup
+from test_training import finish, launch, losses, setup
 
 from specdec import drafters
 from specdec.config import load_recipe
@@ -59,3 +59,25 @@ def test_heads_train_and_the_target_stays_frozen(files, tmp_path, monkeypatch, f
     logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     for s in range(1, steps + 1):
         assert 0.0 <= logged[f"train/acc@{s}"] <= logged[f"train/top5@{s}"] <= 1.0
+
+
+@pytest.mark.parametrize("family", list(RECIPES))
+def test_two_sharded_processes_match_one(files, tmp_path, family):
+    """FSDP over gloo: each head (Medusa) or module (MTP) is a unit of its own, and two
+    processes train the weights one process trains with both processes' micro-batches."""
+    recipe = ROOT / "recipes" / "debug" / RECIPES[family][0]
+    args = ["train.save_every=100"]
+    one = launch(overrides(files, tmp_path / "one", "train.grad_accum=2", *args), recipe=recipe)
+    finish(one)
+    run = overrides(files, tmp_path / "two", "train.grad_accum=1", *args)
+    out = finish(launch(run, processes=2, recipe=recipe, fsdp=True))
+    assert "FSDP: the drafter sharded across 2 processes" in out
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        assert x == pytest.approx(y, rel=1e-4, abs=1e-6)
+    ckpt = Path("checkpoints") / "step-000004" / "model.safetensors"
+    w1, w2 = load_file(tmp_path / "one" / ckpt), load_file(tmp_path / "two" / ckpt)
+    assert set(w1) == set(w2)
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)

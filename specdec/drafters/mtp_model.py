@@ -36,9 +36,26 @@ class MTPModule(nn.Module):
         self.layer = DraftLayer(cfg, first=False)
         self.norm = RMSNorm(h, eps)
 
-    def mix(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden, embeds, cos, sin, mask, cache: ModuleCache | None = None, start=0):
+        """``(h^k, norm(h^k))`` over positions with ``cos``/``sin`` under ``mask``: from the
+        previous depth's ``hidden`` and the ``embeds`` of the tokens k ahead; with a
+        ``cache``, the positions' keys and values go to its slots ``start..`` and the
+        attention reads every slot before them too. (One ``forward``, so that a sharded
+        module gathers its weights once around all of it.)"""
         x = torch.cat([self.hnorm(hidden), self.enorm(embeds.to(hidden.dtype))], dim=-1)
-        return self.eh_proj(x)
+        x = self.eh_proj(x)
+        layer = self.layer
+        q, k, v = layer.qkv(x, None, cos, sin)
+        if cache is not None:  # [kv_heads, slots, dim] each
+            end = start + x.shape[-2]
+            cache.reserve(end)
+            cache.keys[:, start:end], cache.values[:, start:end] = k, v
+            k, v, cache.length = cache.keys[:, :end], cache.values[:, :end], end
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=layer.heads != layer.kv_heads
+        )
+        x = layer.finish(x, attn)
+        return x, self.norm(x)
 
 
 class MTPModel(nn.Module):
@@ -72,9 +89,11 @@ class MTPModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.depths[0].eh_proj.weight.dtype
 
-    def read_out(self, module: MTPModule, x: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight if self.lm_head is not None else self._borrowed[1].weight
-        return F.linear(module.norm(x), weight.detach() if self.lm_head is None else weight)
+    def read_out(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits from a module's normed output, through the shared LM head."""
+        if self.lm_head is not None:
+            return self.lm_head(normed)
+        return F.linear(normed, self._borrowed[1].weight.detach().to(normed.dtype))
 
     def rope(self, positions: torch.Tensor):
         """cos, sin ``[T, dim]`` at ``positions`` ``[T]``."""
@@ -101,22 +120,9 @@ class MTPModel(nn.Module):
         for k, module in enumerate(self.depths, start=1):
             pad = embeds.new_zeros(B, min(k, T), embeds.shape[-1])
             e = torch.cat([embeds[:, k:], pad], dim=1)  # row t: the token t + k
-            hidden = self._layer(module, module.mix(hidden, e), cos, sin, causal)
-            out.append(self.read_out(module, hidden))
+            hidden, normed = module(hidden, e, cos, sin, causal)
+            out.append(self.read_out(normed))
         return torch.stack(out)
-
-    def _layer(self, module, x, cos, sin, mask, cache=None, start: int = 0):
-        layer = module.layer
-        q, k, v = layer.qkv(x, None, cos, sin)
-        if cache is not None:  # [kv_heads, slots, dim] each; write, then attend to all so far
-            end = start + x.shape[-2]
-            cache.reserve(end)
-            cache.keys[:, start:end], cache.values[:, start:end] = k, v
-            k, v, cache.length = cache.keys[:, :end], cache.values[:, :end], end
-        attn = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=layer.heads != layer.kv_heads
-        )
-        return layer.finish(x, attn)
 
     @torch.inference_mode()
     def decode(self, depth: int, hidden, tokens, start: int, cache: ModuleCache) -> torch.Tensor:
@@ -129,12 +135,13 @@ class MTPModel(nn.Module):
         mask = None
         if m > 1:
             mask = torch.ones(m, end, dtype=torch.bool, device=hidden.device).tril(start)
-        x = module.mix(hidden.to(self.dtype), self.embedding(tokens))
-        return self._layer(module, x, cos, sin, mask, cache, start)
+        embeds = self.embedding(tokens)
+        x, _ = module(hidden.to(self.dtype), embeds, cos, sin, mask, cache, start)
+        return x
 
     @torch.inference_mode()
     def logits(self, depth: int, x: torch.Tensor) -> torch.Tensor:
-        return self.read_out(self.depths[depth], x).float()
+        return self.read_out(self.depths[depth].norm(x)).float()
 
 
 class ModuleCache:
