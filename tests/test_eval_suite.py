@@ -254,3 +254,11 @@ def test_prompts_are_taken_round_robin_over_categories(tmp_path):
     assert [r["messages"][0]["content"] for r in picked] == ["a 0", "b 0", "c 0", "a 1", "b 1"]
     first = load_prompts((str(sorted_file),), 5, category_key="task")
     assert [r["category"] for r in first] == ["a", "a", "a", "b", "b"]  # score's pick: in order
+
+
+def test_a_category_of_one_prompt_shows_no_interval():
+    from specdec.scoring.suite_report import _ci
+
+    nan = float("nan")
+    assert _ci({"speedup": 1.5, "speedup_ci": [nan, nan]}) == "1.50x"
+    assert _ci({"speedup": 1.5, "speedup_ci": [1.25, 1.75]}) == "1.50x [1.25, 1.75]"

@@ -24,6 +24,7 @@ def test_shipped_files_are_found():
         "smollm2-135m/mtp.yaml",
         "debug/tiny_medusa.yaml",
         "debug/tiny_mtp.yaml",
+        "debug/tiny_medusa2.yaml",
         "qwen3-8b/draft_model.yaml",
     } <= names
     assert {p.name for p in ACCELERATE_FILES} == {

@@ -191,3 +191,31 @@ def test_checkpoint_that_is_not_one(tiny_llama_dir, tmp_path, prompt_file, capsy
         capsys, "--checkpoint", tmp_path, "--target", tiny_llama_dir, "--prompts", prompt_file
     )
     assert "not a specdec checkpoint" in err and str(tmp_path) in err
+
+
+def test_cost_profile_spreads_a_drift_over_every_size():
+    """A machine slowing down while the profile is measured (every forward 1 ms slower than
+    the one before, whatever its size) must not make the later-measured sizes look dearer
+    than the first: sizes are measured in interleaved rounds."""
+    from specdec.scoring.run import cost_profile
+
+    class Drifting:
+        def __init__(self):
+            self.now, self.calls, self.length = 0.0, 0, 0
+
+        def clock(self):
+            return self.now
+
+        def reset(self):
+            self.length = 0
+
+        def extend(self, tokens, **kwargs):
+            self.calls += 1
+            self.now += 0.010 + 0.001 * self.calls  # every size costs the same, plus drift
+            self.length += len(tokens)
+
+        def rollback(self, length):
+            self.length = length
+
+    profile = cost_profile(Drifting(), [1, 2, 3], max_tokens=5, repeats=9)
+    assert max(profile.values()) - min(profile.values()) <= 0.001 * 5  # one round's drift

@@ -64,6 +64,8 @@ class Drafter:
     branches: bool = False
     #: the tree it drafts (a ``TreeSpec``), None: chains
     tree = None
+    #: its proposals are verified by a model of its own (:meth:`verifier`), not the target
+    adapts_target: bool = False
 
     def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
         """Apply the decoding knobs (``eval.draft_forward``, ``eval.draft_confidence``, the
@@ -107,6 +109,12 @@ class Drafter:
     def draft_seconds(self) -> float:
         """Seconds this drafter spent in model forwards (0 for model-free drafters)."""
         return 0.0
+
+    def verifier(self, model):
+        """The model that verifies this drafter's proposals, given the target's: the target
+        itself, except for drafters trained with an adapted target (``adapts_target``), whose
+        output is that adapted model's."""
+        return model
 
     def transformers_model(self, where: str = ""):
         """The drafter as a standalone transformers causal LM over the target's vocabulary,

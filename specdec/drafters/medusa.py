@@ -20,8 +20,14 @@ heads' draws at different depths are independent of each other; q at depth d is 
 processed distribution, whatever the tokens before it, which is a valid proposal for the
 rejection rule (it only needs the law each token was drawn from), so decoding stays exact.
 
+Medusa-2 (``lora_rank`` > 0; :mod:`specdec.drafters.medusa_adapted`): the heads train jointly
+with LoRA adapters on the backbone, step 0 being the adapted backbone's own next-token
+distribution distilled from the original target's; proposals are then verified by the
+adapted backbone, whose output it is.
+
 Checkpoints: ``model.safetensors`` (the blocks, and the own LM head with the ``d2t`` / ``t2d``
-vocabulary maps), ``config.json`` and ``drafter.json``.
+vocabulary maps), ``config.json``, ``drafter.json``, and for Medusa-2 ``adapter/`` (peft's
+layout).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 from torch import nn
 
 from specdec.config.schema import DrafterConfig, option
+from specdec.config.validation import Invalid
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import vocabulary
@@ -64,6 +71,33 @@ class MedusaConfig(DrafterConfig):
     head_weight_decay: float = option(
         0.8, "Loss weight of head i: decay ** i (later heads are harder).", gt=0, le=1
     )
+    lora_rank: int = option(
+        0, "0: Medusa-1, the target frozen. > 0: Medusa-2, LoRA adapters of this rank on the "
+        "backbone (peft), trained with the heads; the output is then the adapted backbone's.",
+        ge=0,
+    )  # fmt: skip
+    lora_alpha: float = option(16.0, "Medusa-2: LoRA scaling numerator (alpha / rank).", gt=0)
+    lora_target_modules: list[str] = option(
+        ["q_proj", "v_proj"], "Medusa-2: the backbone's projections that get adapters."
+    )
+    backbone_weight: float = option(
+        0.2, "Medusa-2: loss weight of the self-distillation term, the adapted backbone's "
+        "next-token distribution against the original target's.", ge=0,
+    )  # fmt: skip
+
+    def check(self) -> None:
+        if self.lora_rank and self.draft_vocab_size is not None:
+            raise Invalid(
+                "drafter.draft_vocab_size",
+                "Medusa-2 (drafter.lora_rank > 0) trains the backbone's own full-vocabulary "
+                "head beside the heads: set it to null",
+                also=["drafter.lora_rank"],
+            )
+        if self.lora_rank and not self.lora_target_modules:
+            raise Invalid("drafter.lora_target_modules", "empty: Medusa-2 adapts some projection")
+
+    def shardable(self) -> bool:
+        return not self.lora_rank  # Medusa-2's adapters live inside the borrowed backbone
 
 
 class ResBlock(nn.Module):
@@ -143,6 +177,8 @@ class MedusaDrafter(TrainableDrafter):
         draft_ids: torch.Tensor | None,
         vocab_size: int,
         head_weight_decay: float = 0.8,
+        backbone=None,
+        backbone_weight: float = 0.2,
     ):
         self.model = model
         self.required_target_layers = (target_layer,)
@@ -150,6 +186,14 @@ class MedusaDrafter(TrainableDrafter):
         self.vocab_size = vocab_size
         self.steps = model.cfg["num_heads"]
         self.decay = head_weight_decay
+        self.backbone, self.backbone_weight = backbone, backbone_weight
+        self.adapted = None
+        if backbone is not None:  # Medusa-2: step 0 is the adapted backbone's next token
+            from specdec.drafters.medusa_adapted import AdaptedHeads
+
+            self.adapted = AdaptedHeads(model, backbone)
+            self.steps, self.shift = self.steps + 1, 0
+            self.adapts_target = True
         self.confidence = 0.0
         self.clock = Clock(next(model.parameters()).device)
         self.seconds = 0.0
@@ -179,7 +223,15 @@ class MedusaDrafter(TrainableDrafter):
                 rows = head.weight.index_select(0, draft_ids.to(head.weight.device))
                 model.lm_head.weight.copy_(rows)
         layer = target.resolve_layers([LAST])[0]
-        return cls(model, layer, draft_ids, target.vocab_size, cfg.head_weight_decay)
+        backbone = None
+        if cfg.lora_rank:
+            from specdec.drafters.medusa_adapted import adapt
+
+            backbone = adapt(target.model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        return cls(
+            model, layer, draft_ids, target.vocab_size, cfg.head_weight_decay, backbone,
+            cfg.backbone_weight,
+        )  # fmt: skip
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, target) -> MedusaDrafter:
@@ -226,7 +278,16 @@ class MedusaDrafter(TrainableDrafter):
         model.to(target.device)
         layer = target.resolve_layers([LAST])[0]
         decay = saved.get("head_weight_decay", 0.8)
-        return cls(model, layer, draft_ids, target.vocab_size, decay)
+        backbone = None
+        if saved.get("lora"):
+            from specdec.drafters.medusa_adapted import ADAPTER_DIR, load_adapter
+
+            try:
+                backbone = load_adapter(target.model, path / ADAPTER_DIR)
+            except (OSError, ValueError, KeyError, RuntimeError) as err:
+                raise ModelError(f"{path}: unreadable Medusa-2 adapter ({err})") from None
+        weight = saved.get("backbone_weight", 0.2)
+        return cls(model, layer, draft_ids, target.vocab_size, decay, backbone, weight)
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically: it is complete or it does not exist."""
@@ -253,7 +314,16 @@ class MedusaDrafter(TrainableDrafter):
             "target_vocab_size": self.vocab_size,
             "head_weight_decay": self.decay,
         }
+        if self.backbone is not None:
+            from specdec.drafters.medusa_adapted import lora_settings
+
+            config["lora"] = lora_settings(self.backbone)
+            config["backbone_weight"] = self.backbone_weight
         with atomic_dir(path) as tmp:
+            if self.backbone is not None:
+                from specdec.drafters.medusa_adapted import ADAPTER_DIR, save_adapter
+
+                save_adapter(self.backbone, tmp / ADAPTER_DIR)
             save_file(state, tmp / WEIGHTS_FILE)
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -267,6 +337,11 @@ class MedusaDrafter(TrainableDrafter):
 
         if fmt not in self.layouts:
             return super().export_layout(fmt, target)
+        if self.backbone is not None:
+            raise ModelError(
+                f"the {fmt} layout holds heads for the model they read; Medusa-2 heads read "
+                "their adapted backbone, which specdec does not export yet"
+            )
         return medusa_layouts.export(self, fmt, target)
 
     @staticmethod
@@ -303,11 +378,23 @@ class MedusaDrafter(TrainableDrafter):
     # ------------------------------------------------------------------------- training face
 
     @property
-    def module(self) -> MedusaHeads:
-        return self.model
+    def module(self) -> torch.nn.Module:
+        return self.adapted if self.adapted is not None else self.model
 
     def step_weights(self) -> torch.Tensor:
-        return self.decay ** torch.arange(self.steps, dtype=torch.float32)
+        heads = self.decay ** torch.arange(self.model.cfg["num_heads"], dtype=torch.float32)
+        if self.adapted is None:
+            return heads
+        return torch.cat([torch.tensor([self.backbone_weight]), heads])
+
+    def verifier(self, model):
+        """Medusa-2: the adapted backbone (adapters merged into a copy of the adapted weights);
+        Medusa-1: the target."""
+        if self.backbone is None:
+            return model
+        from specdec.drafters.medusa_adapted import merged_copy
+
+        return merged_copy(model, self.backbone)
 
     # ------------------------------------------------------------------------- decoding face
 

@@ -138,7 +138,8 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
 
         prompts = [encode_prompt(target.tokenizer, prompt_messages(r["messages"])) for r in rows]
         sampling = sampling_certificate(
-            target.model, target.tokenizer, drafter, prompts[settings.warmup_prompts :][:4],
+            drafter.verifier(target.model), target.tokenizer, drafter,
+            prompts[settings.warmup_prompts :][:4],
             job.certify, k=settings.k, temperature=settings.temperature or 1.0,
             top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed,
             target_forward=settings.target_forward,

@@ -102,23 +102,26 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def cost_profile(
-    session: ModelSession, prompt: Sequence[int], max_tokens: int, repeats: int = 5
+    session: ModelSession, prompt: Sequence[int], max_tokens: int, repeats: int = 9
 ) -> dict[int, float]:
-    """Median seconds of one cached target forward over m = 1..max_tokens new tokens."""
+    """Median seconds of one cached target forward over m = 1..max_tokens new tokens.
+
+    The sizes are measured in rounds (1, 2, ..., max_tokens, then again), the first round only
+    warming up, so that a drift in the machine's speed while measuring falls on every size
+    alike: measured size after size, the first sizes also paid for a cold start, and the
+    verify lengths chosen from the profile changed from run to run."""
     session.reset()
     session.extend(list(prompt))
     base = session.length
     probe = (list(prompt) * (max_tokens // max(len(prompt), 1) + 1))[:max_tokens]
-    profile = {}
-    for m in range(1, max_tokens + 1):
-        times = []
-        for _ in range(repeats + 1):  # the first one warms up this shape
+    times: dict[int, list[float]] = {m: [] for m in range(1, max_tokens + 1)}
+    for _ in range(repeats + 1):
+        for m in times:
             t0 = session.clock()
             session.extend(probe[:m])
-            times.append(session.clock() - t0)
+            times[m].append(session.clock() - t0)
             session.rollback(base)
-        profile[m] = statistics.median(times[1:])
-    return profile
+    return {m: statistics.median(t[1:]) for m, t in times.items()}
 
 
 def score(
@@ -144,6 +147,7 @@ def score(
     params = settings.params
     chain = settings.tree == "chain"
     drafter.configure(settings.draft_forward, settings.draft_confidence)
+    original, model = model, drafter.verifier(model)  # both plain and speculative decode it
     eos = eos_token_ids(model, tokenizer)
     target = target_session(model, settings.target_forward, drafter.required_target_layers)
     encoded = [encode_prompt(tokenizer, prompt_messages(row["messages"])) for row in prompts]
@@ -200,6 +204,8 @@ def score(
     result["verify_lengths"] = lengths
     result["cost_profile_ratio"] = {m: t / profile[1] for m, t in profile.items()}
     result.update(divergence_margins(model, encoded[warm:], baseline, result["divergences"]))
+    if model is not original:
+        result["verifier"] = adaptation_report(original, model, encoded[warm:], baseline)
     if settings.temperature == 0:
         from specdec.scoring.certificate import greedy_certificate, tie_margin_for
 
@@ -281,6 +287,31 @@ def _per_category(rows, method, baseline, settings) -> dict:
 
 
 @torch.inference_mode()
+@torch.inference_mode()
+def adaptation_report(original, adapted, encoded, baseline) -> dict:
+    """How far a drafter's adapted verifier is from the target, on the held-out prompts and
+    the adapted model's own plain continuations of them: the mean per-token KL(target ||
+    adapted) and how often their top tokens agree, over the continuation's positions."""
+    device = next(adapted.parameters()).device
+    kl, agree, count = 0.0, 0, 0
+    for prompt, gen in zip(encoded, baseline, strict=True):
+        ids = torch.tensor([list(prompt) + gen.tokens], device=device)
+        rows = slice(len(prompt) - 1, ids.shape[1] - 1)  # the positions that predict gen
+        p = torch.log_softmax(original(ids).logits[0, rows].float(), -1)
+        q = torch.log_softmax(adapted(ids).logits[0, rows].float(), -1)
+        kl += float((p.exp() * (p - q)).sum())
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        count += p.shape[0]
+    return {
+        "kind": "adapted",
+        "kl_to_target": kl / max(count, 1),
+        "top1_agreement": agree / max(count, 1),
+        "tokens": count,
+        "note": "the output is the drafter's adapted model's, not the original target's; "
+        "speedup is over that model's own plain decoding",
+    }
+
+
 def divergence_margins(model, encoded, baseline, divergences) -> dict:
     """At each greedy divergence, the target's top-2 logit margin: a tiny margin means the
     two runs differ by floating-point noise between verify and single-token forwards."""

@@ -140,6 +140,12 @@ def run_eval(job: EvalJob) -> dict:
     target = FrozenTarget.load(target_spec, dtype=job.dtype, cache_dir=job.cache_dir)
     for m in methods:
         mth.load(m, target, job.max_ngram)
+        if m.drafter is not None and m.drafter.adapts_target:
+            raise ConfigError(
+                f"method '{m.name}': its proposals are verified by a model of its own (an "
+                "adapted target), not by the target the other methods share; score it with "
+                "`specdec score --checkpoint`"
+            )
         if m.drafter is not None:
             m.drafter.configure(job.draft_forward, job.draft_confidence)
     model, tokenizer = target.model, target.tokenizer

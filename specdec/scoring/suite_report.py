@@ -27,6 +27,8 @@ def _config_name(c: dict) -> str:
 
 def _ci(r: dict, key: str = "speedup") -> str:
     lo, hi = r.get(f"{key}_ci", [math.nan, math.nan])
+    if math.isnan(lo) or math.isnan(hi):  # one prompt: nothing to resample
+        return f"{r[key]:.2f}x"
     return f"{r[key]:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
@@ -63,7 +65,13 @@ def markdown(results: dict, plots: list[str]) -> list[str]:
             f"{_ci(plain, 'speedup_vs_generate')} the speed of transformers' `generate()`."
         )
         lines += ["", *_table(c)]
-        lines += ["", "Per category (tau / speedup over plain):", "", *_category_table(c)]
+        lines += [
+            "",
+            "Per category (tau / speedup over plain; an interval where the category has two "
+            "prompts or more):",
+            "",
+            *_category_table(c),
+        ]
     certs = results.get("certificates")
     if certs:
         lines += ["", "## Losslessness certificates", ""]

@@ -129,6 +129,11 @@ def setup(recipe: Recipe) -> Run:
     if fsdp and accelerator.num_processes == 1:
         logger.warning("FSDP over one process: nothing to shard, training unsharded")
         fsdp = False
+    if fsdp and not recipe.drafter.shardable():
+        raise ConfigError(
+            f"FSDP: a '{recipe.drafter.type}' drafter with these settings cannot be sharded "
+            "(its trainable weights live inside a borrowed model); launch with DDP"
+        )
     if accelerator.is_main_process:
         recover_run_dir(run_dir)
     accelerator.wait_for_everyone()

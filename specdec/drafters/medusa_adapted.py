@@ -1,0 +1,126 @@
+"""Medusa-2 (Cai et al. 2024, sec. 2.3): the heads trained jointly with LoRA adapters on the
+target's backbone, through peft.
+
+The adapted backbone is a shallow copy of the target: its modules are new, its weights are the
+target's own tensors (nothing is duplicated), and peft wraps the copy's projections with
+adapters (B starts at zero, so the adapted backbone starts as the target). The target itself
+is never touched: it stays the teacher. Training (:class:`AdaptedHeads`) runs the adapted
+backbone with gradients through the adapters and returns K + 1 steps: step 0 is the backbone's
+own next-token distribution, pulled to the original target's by self-distillation, steps
+1..K the heads on the backbone's last hidden state.
+
+The output of decoding is the adapted backbone's, not the original target's: proposals are
+verified by a copy of the target with the adapters merged into the adapted weights
+(:func:`merged_copy`; only those weights are new tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTER_DIR = "adapter"
+
+
+def shallow_copy(model: nn.Module, keep: set[str] = frozenset()) -> nn.Module:
+    """A copy of ``model`` with new modules that share every weight tensor except those named
+    in ``keep`` (which are copied)."""
+    memo = {id(p): p for name, p in model.named_parameters() if name not in keep}
+    return copy.deepcopy(model, memo)
+
+
+def adapt(target_model: nn.Module, rank: int, alpha: float, modules: list[str]):
+    """A peft LoRA model over a shallow copy of the target (adapters only trainable)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(modules), lora_dropout=0.0)
+    return get_peft_model(shallow_copy(target_model), config)
+
+
+def lora_settings(backbone) -> dict:
+    config = backbone.peft_config["default"]
+    return {
+        "rank": config.r,
+        "alpha": config.lora_alpha,
+        "target_modules": sorted(config.target_modules),
+    }
+
+
+class AdaptedHeads(nn.Module):
+    """The trainable module of Medusa-2: the heads and the adapters (registered here, so the
+    optimizer, DDP and the saved state see them); the backbone itself is borrowed.
+
+    ``forward`` returns ``[K + 1, B, T, V]``: the adapted backbone's logits, then the heads'.
+    """
+
+    def __init__(self, heads: nn.Module, backbone):
+        super().__init__()
+        self.heads = heads
+        trainable = {n: p for n, p in backbone.named_parameters() if p.requires_grad}
+        self.adapters = nn.ParameterDict({n.replace(".", "__"): p for n, p in trainable.items()})
+        self._borrowed = (backbone,)
+
+    @property
+    def backbone(self):
+        return self._borrowed[0]
+
+    def forward(self, input_ids, attention_mask, features=None) -> torch.Tensor:
+        backbone = self.backbone
+        probe = next(backbone.buffers(), None)
+        if probe is not None and probe.device != input_ids.device:  # the target moved since
+            backbone.to(input_ids.device)
+        out = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+        )
+        heads = self.heads(None, None, [out.hidden_states[-1]])
+        return torch.cat([out.logits[None].to(heads.dtype), heads])
+
+
+@torch.no_grad()
+def merged_copy(target_model: nn.Module, backbone) -> nn.Module:
+    """The target with the adapters merged into new tensors of the adapted weights (the target
+    and the backbone are left as they are)."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, module in backbone.named_modules():
+        if isinstance(module, LoraLayer) and "default" in module.lora_A:
+            deltas[name.removeprefix("base_model.model.") + ".weight"] = module.get_delta_weight(
+                "default"
+            )
+    merged = shallow_copy(target_model, keep=set(deltas))
+    params = dict(merged.named_parameters())
+    for name, delta in deltas.items():
+        params[name].add_(delta.to(params[name].dtype))
+    return merged.eval()
+
+
+def save_adapter(backbone, path: Path) -> None:
+    """The adapters in peft's own layout (``adapter/``: loadable with ``PeftModel``)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    state = get_peft_model_state_dict(backbone)
+    state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    save_file(state, path / "adapter_model.safetensors")
+    config = backbone.peft_config["default"].to_dict()
+    config["target_modules"] = sorted(config["target_modules"])
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+
+def load_adapter(target_model: nn.Module, path: Path):
+    """An adapted backbone over ``target_model`` with the adapters saved at ``path``."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    config = json.loads((path / "adapter_config.json").read_text())
+    backbone = adapt(target_model, config["r"], config["lora_alpha"], config["target_modules"])
+    result = set_peft_model_state_dict(backbone, load_file(path / "adapter_model.safetensors"))
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"adapter weights that fit no adapter: {result.unexpected_keys[:4]}")
+    return backbone

@@ -1,0 +1,183 @@
+"""Medusa-2: Medusa heads trained with LoRA adapters on the backbone (peft). The target is never
+changed (it stays the teacher); the adapted backbone starts as the target, verifies the
+proposals, and its distance to the target is reported. Tiny random Llama target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+from safetensors.torch import load_file
+from test_cli_errors import error_line
+from test_eagle3_training import overrides
+from test_medusa import QUESTION, last_hidden
+from test_training import launch, setup
+from test_tree import greedy_reference
+
+from specdec import drafters
+from specdec.config import load_recipe
+from specdec.decoding.compact import CompactSession
+from specdec.decoding.session import ModelSession
+from specdec.decoding.speculative import generate
+from specdec.drafters.medusa import MedusaConfig
+from specdec.scoring.run import encode_prompt
+from specdec.target import FrozenTarget
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "debug" / "tiny_medusa2.yaml"
+files = setup  # the tiny target and prompt files of the draft-model training tests
+
+
+@pytest.fixture()
+def target():
+    return FrozenTarget(*tiny_models.tiny_llama(), name="tiny-llama")
+
+
+def medusa2(target, seed: int = 0, adapter_scale: float = 0.0, **cfg):
+    torch.manual_seed(seed)
+    drafter = drafters.build(target, MedusaConfig(lora_rank=4, num_heads=3, **cfg))
+    with torch.no_grad():  # B starts at zero (the adapted backbone is the target): move it
+        for name, p in drafter.backbone.named_parameters():
+            if "lora_B" in name:
+                p.add_(adapter_scale * torch.randn_like(p))
+    return drafter
+
+
+def test_fresh_adapted_backbone_is_the_target_and_shares_its_weights(target):
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    drafter = medusa2(target)
+    ids = torch.randint(0, target.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = target.model(ids).logits
+        steps = drafter.module(ids, None)
+    assert steps.shape == (4, 2, 7, target.vocab_size)  # the backbone's step and 3 heads
+    for s in range(4):  # fresh heads are the read-out too
+        torch.testing.assert_close(steps[s], want, atol=1e-5, rtol=1e-5)
+    attention = target.model.model.layers[0].self_attn
+    assert type(attention.q_proj) is torch.nn.Linear  # the target's modules are not wrapped
+    copy = drafter.backbone.base_model.model.model.layers[0].self_attn
+    assert copy.q_proj.base_layer.weight.data_ptr() == attention.q_proj.weight.data_ptr()
+    trainable = {n for n, p in drafter.module.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("heads.", "adapters.")) for n in trainable)
+    assert any("lora_A" in n for n in trainable) and any("lora_B" in n for n in trainable)
+    for k, v in target.model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_teacher_and_weights_put_the_backbone_first(target):
+    drafter = medusa2(target, backbone_weight=0.3)
+    logits = torch.randn(1, 8, target.vocab_size, generator=torch.Generator().manual_seed(1))
+    teacher = drafter.teacher(logits, torch.ones(1, 8))
+    log_p = torch.log_softmax(logits, -1)
+    for s in range(4):  # step 0: the next token (row t); head s - 1: the token t + 1 + s
+        torch.testing.assert_close(teacher.log_probs[s, 0, : 8 - 1 - s], log_p[0, s:7])
+    assert drafter.step_weights().tolist() == pytest.approx([0.3, 1.0, 0.8, 0.64])
+
+
+def test_verifier_is_the_adapted_backbone_and_decoding_is_its_greedy_output(target):
+    drafter = medusa2(target, adapter_scale=0.5)
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    verifier = drafter.verifier(target.model)
+    ids = torch.randint(0, target.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        adapted = drafter.backbone(input_ids=ids).logits
+        torch.testing.assert_close(verifier(ids).logits, adapted, atol=1e-5, rtol=1e-5)
+        assert (adapted - target.model(ids).logits).abs().max() > 1e-2  # it is adapted
+    for k, v in target.model.state_dict().items():
+        assert torch.equal(v, before[k]), f"target {k} changed by merging"
+    prompt = encode_prompt(target.tokenizer, [{"role": "user", "content": QUESTION}])
+    expected = greedy_reference(verifier, prompt, 30)
+    assert expected != greedy_reference(target.model, prompt, 30)
+    # heads fitted to the verifier's own continuation, so drafts are accepted too
+    h = last_hidden(FrozenTarget(verifier, target.tokenizer, name="v"), prompt + expected)[None]
+    labels = torch.tensor(prompt + expected)
+    optimizer = torch.optim.Adam(drafter.model.parameters(), lr=1e-2)
+    for _ in range(100):
+        logits = drafter.model(None, None, [h])
+        loss = sum(
+            torch.nn.functional.cross_entropy(logits[s, 0, : -2 - s], labels[2 + s :])
+            for s in range(3)
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    drafter.configure()
+    for session in (ModelSession, CompactSession):
+        s = session(verifier, hidden_layers=drafter.required_target_layers)
+        got = generate(s, prompt, drafter=drafter, k=3, max_new_tokens=30)
+        assert got.tokens == expected and sum(got.accepted) > 0
+
+
+def test_checkpoint_round_trip_in_peft_layout(target, tmp_path):
+    from peft import PeftModel
+
+    from specdec.drafters.medusa_adapted import shallow_copy
+
+    drafter = medusa2(target, adapter_scale=0.5)
+    path = drafter.save(tmp_path / "ckpt", target_name=target.name)
+    assert not any(t.numel() > 10_000 for t in load_file(path / "model.safetensors").values())
+    loaded = drafters.load(path, target)
+    ids = torch.randint(0, target.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.module(ids, None), drafter.module(ids, None))
+        # the adapter directory is peft's own: PeftModel loads it onto the base model
+        peft_model = PeftModel.from_pretrained(shallow_copy(target.model), path / "adapter")
+        torch.testing.assert_close(
+            peft_model(input_ids=ids).logits, drafter.backbone(input_ids=ids).logits
+        )
+    assert loaded.steps == 4 and loaded.backbone_weight == drafter.backbone_weight
+
+
+def test_trains_adapters_and_heads_only_and_scores_against_the_adapted_backbone(
+    files, tmp_path, monkeypatch
+):
+    from specdec.training.loop import train
+
+    seen = []
+    real = FrozenTarget.from_config.__func__
+
+    def capture(cls, cfg):
+        seen.append(real(cls, cfg))
+        return seen[-1]
+
+    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
+    run_dir = tmp_path / "run"
+    recipe = load_recipe(RECIPE, overrides(files, run_dir, "train.save_every=100"))
+    assert train(recipe)["steps"] == 4
+    before = load_file(files / "target" / "model.safetensors")
+    after = seen[0].model.state_dict()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), f"target {name} changed"
+    ckpt = run_dir / "checkpoints" / "step-000004"
+    adapter = load_file(ckpt / "adapter" / "adapter_model.safetensors")
+    assert any("lora_B" in k and t.abs().max() > 0 for k, t in adapter.items())  # trained
+    score = json.loads((ckpt / "score.json").read_text())
+    assert score["greedy_match_rate"] == 1.0  # to the adapted backbone's plain decoding
+    report = score["verifier"]
+    assert report["kind"] == "adapted" and report["kl_to_target"] > 0 and report["tokens"] > 0
+    assert "not the original target's" in report["note"]
+    logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert logged["train/acc@1"] > 0.9  # step 0: the adapted backbone still agrees
+
+
+def test_fsdp_refused_before_any_model_loads(files, tmp_path):
+    proc = launch(overrides(files, tmp_path / "run"), processes=2, recipe=RECIPE, fsdp=True)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "FSDP: a 'medusa' drafter with these settings cannot be sharded" in out
+    assert "Loading" not in out
+
+
+def test_eval_refuses_a_method_verified_by_its_own_model(capsys, target, tmp_path):
+    tiny = tmp_path / "target"
+    tiny_models.save_tiny(target.model, target.tokenizer, tiny)
+    local = FrozenTarget.load(str(tiny))
+    ckpt = medusa2(local).save(tmp_path / "ckpt", target_name=local.name)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello there."}) + "\n")
+    argv = ["eval", "--prompts", str(prompts), "--target", str(tiny), "--method", str(ckpt)]
+    err = error_line(capsys, [*argv, "--out", str(tmp_path / "o"), "--num-prompts", "1"])
+    assert f"method '{ckpt}': its proposals are verified by a model of its own" in err
