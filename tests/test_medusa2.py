@@ -181,3 +181,15 @@ def test_eval_refuses_a_method_verified_by_its_own_model(capsys, target, tmp_pat
     argv = ["eval", "--prompts", str(prompts), "--target", str(tiny), "--method", str(ckpt)]
     err = error_line(capsys, [*argv, "--out", str(tmp_path / "o"), "--num-prompts", "1"])
     assert f"method '{ckpt}': its proposals are verified by a model of its own" in err
+
+
+def test_reduced_vocabulary_and_export_refused(target, tmp_path):
+    from specdec.errors import ConfigError, ModelError
+    from specdec.export import export
+
+    with pytest.raises(ConfigError, match="draft_vocab_size=100: Medusa-2 .* set it to null"):
+        load_recipe(RECIPE, ["drafter.draft_vocab_size=100"])
+    ckpt = medusa2(target).save(tmp_path / "ckpt", target_name=target.name)
+    with pytest.raises(ModelError, match="Medusa-2 heads read their adapted backbone"):
+        export("vllm_medusa", ckpt, tmp_path / "out", target)
+    assert not (tmp_path / "out").exists()
