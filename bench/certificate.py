@@ -5,6 +5,13 @@ Not a test (a real target, minutes of CPU): a measurement that the certificate h
 to catch a lossy decoder where it is used. The test suite runs the same check on tiny models.
 
     python bench/certificate.py --checkpoint runs/smollm2-135m-eagle3/best --samples 10000
+    python bench/certificate.py --draft-model ~/.cache/specdec/models/smollm2-135m-instruct
+
+The test's power grows with how often the draft is right: a misreported q changes the law of
+the output only where drafts are accepted or resampled from a residual that q shaped, so a
+drafter accepted 4% of the time hides it in thousands of draws. The target drafting for itself
+(``--draft-model`` the target's own directory: q = p) is the strongest case: every draft is
+accepted with the true q, and with the misreported one the residual decides often.
 """
 
 from __future__ import annotations
@@ -43,7 +50,12 @@ class Misreporting(Drafter):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", help="a specdec checkpoint directory")
+    which.add_argument(
+        "--draft-model", help="a transformers causal LM with the target's tokenizer (a path)"
+    )
+    parser.add_argument("--target", help="target spec (default: the checkpoint's, or SmolLM2)")
     parser.add_argument("--samples", type=int, default=10_000, help="draws for the drafter")
     parser.add_argument("--bug-samples", type=int, default=2_000, help="draws for the bug")
     parser.add_argument("--prompts", default="mtbench,humaneval")
@@ -51,9 +63,14 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     args = parser.parse_args()
 
-    meta = drafters.read_meta(args.checkpoint)
-    target = FrozenTarget.load(meta["target"])
-    drafter = drafters.load(args.checkpoint, target)
+    spec = args.target
+    if spec is None and args.checkpoint:
+        spec = drafters.read_meta(args.checkpoint)["target"]
+    target = FrozenTarget.load(spec or "smollm2-135m-instruct")
+    if args.checkpoint:
+        drafter = drafters.load(args.checkpoint, target)
+    else:
+        drafter = drafters.from_model(args.draft_model, target)
     rows = load_prompts(tuple(args.prompts.split(",")), args.num_prompts + 1)[1:]  # past warm-up
     prompts = [encode_prompt(target.tokenizer, prompt_messages(r["messages"])) for r in rows]
     runs = [("drafter", drafter, args.samples)]
