@@ -193,3 +193,24 @@ def test_reduced_vocabulary_and_export_refused(target, tmp_path):
     with pytest.raises(ModelError, match="Medusa-2 heads read their adapted backbone"):
         export("vllm_medusa", ckpt, tmp_path / "out", target)
     assert not (tmp_path / "out").exists()
+
+
+def test_two_ddp_processes_match_one(files, tmp_path):
+    """DDP over gloo: the adapters and heads of two processes train as one process's with the
+    micro-batches of both."""
+    from test_training import finish, losses
+
+    args = ["train.save_every=100"]
+    finish(launch(overrides(files, tmp_path / "one", "train.grad_accum=2", *args), recipe=RECIPE))
+    two = launch(overrides(files, tmp_path / "two", "train.grad_accum=1", *args), processes=2,
+                 recipe=RECIPE)  # fmt: skip
+    finish(two)
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        assert x == pytest.approx(y, rel=1e-4, abs=1e-6)
+    adapter = Path("checkpoints") / "step-000004" / "adapter" / "adapter_model.safetensors"
+    w1, w2 = load_file(tmp_path / "one" / adapter), load_file(tmp_path / "two" / adapter)
+    assert set(w1) == set(w2)
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)
