@@ -146,3 +146,83 @@ def load_draft_model(
     if device is not None:
         model = model.to(device)
     return DraftModelDrafter(model, target_vocab_size, tokenizer=target_tokenizer)
+
+
+# ------------------------------------------------ checkpoints of heads (EAGLE-3, Medusa, MTP)
+
+HEAD_CONFIG_FILE = "config.json"
+HEAD_WEIGHTS_FILE = "model.safetensors"
+
+
+def write_head(
+    path: str | os.PathLike,
+    drafter,
+    *,
+    target_name: str,
+    extra: dict | None,
+    meta: dict,
+    config: dict,
+    files=None,
+) -> Path:
+    """Write a head family's checkpoint atomically (complete or absent): ``model.safetensors``
+    (the module's state, and the ``d2t`` / ``t2d`` maps of a reduced vocabulary),
+    ``config.json`` and ``drafter.json`` (family, target, draft vocabulary, ``meta``, then
+    ``extra``, which may not overwrite them); ``files(tmp)`` writes anything more."""
+    from safetensors.torch import save_file
+
+    import specdec
+    from specdec.drafters import vocabulary
+    from specdec.files import atomic_dir
+
+    ids = drafter.draft_ids
+    meta = {
+        "type": drafter.name,
+        "target": target_name,
+        "draft_vocab_size": None if ids is None else len(ids),
+        **meta,
+        "specdec_version": specdec.__version__,
+    }
+    if clash := set(meta) & set(extra or {}):
+        raise ValueError(f"extra entries would overwrite {sorted(clash)}")
+    meta.update(extra or {})
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.model.state_dict().items()}
+    if ids is not None:
+        state["d2t"] = vocabulary.d2t(ids.cpu())
+        state["t2d"] = vocabulary.t2d(ids.cpu(), drafter.vocab_size)
+    with atomic_dir(path) as tmp:
+        if files is not None:
+            files(tmp)
+        save_file(state, tmp / HEAD_WEIGHTS_FILE)
+        (tmp / HEAD_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return Path(path)
+
+
+def read_head(
+    path: str | os.PathLike, family: str, keys: tuple[str, ...]
+) -> tuple[dict, dict, object]:
+    """``(config.json, state, draft ids or None)`` of a checkpoint :func:`write_head` wrote
+    for ``family``, whose config must hold ``keys``.
+
+    Raises:
+        ModelError: another family's checkpoint, or unreadable files.
+    """
+    from safetensors.torch import load_file
+
+    from specdec.drafters import vocabulary
+
+    path = Path(path)
+    meta = read_meta(path)
+    if meta.get("type") != family:
+        raise ModelError(f"{path}: a '{meta.get('type')}' checkpoint, not '{family}'")
+    try:
+        saved = json.loads((path / HEAD_CONFIG_FILE).read_text())
+        missing = [k for k in keys if k not in saved]
+        if missing:
+            raise KeyError(missing[0])
+        state = load_file(path / HEAD_WEIGHTS_FILE)
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
+        raise ModelError(f"{path}: unreadable {family} checkpoint ({err})") from None
+    draft_ids = vocabulary.from_d2t(state.pop("d2t")) if "d2t" in state else None
+    state.pop("t2d", None)
+    return saved, state, draft_ids

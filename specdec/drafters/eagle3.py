@@ -20,7 +20,6 @@ and the verifier) and ``drafter.json``. The target's embedding is borrowed, not 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from specdec.decoding.session import Clock
 from specdec.drafters import eagle3_layouts as layouts
 from specdec.drafters import vocabulary
 from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
-from specdec.drafters.checkpoint import CHECKPOINT_FILE, read_meta
+from specdec.drafters.checkpoint import read_head, write_head
 from specdec.drafters.eagle3_model import (
     DraftCache,
     Eagle3Model,
@@ -47,12 +46,9 @@ from specdec.drafters.eagle3_model import (
 )
 from specdec.drafters.tree import Slots, draft_tree
 from specdec.errors import ConfigError, ModelError
-from specdec.files import atomic_dir
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 #: how the head runs while decoding; the head is small and always runs in float32
 #: how the head runs while decoding: auto (float16 on a CPU, where a step is bound by reading
 #: the weights; its own dtype elsewhere), a dtype (a converted copy of the weights), or
@@ -163,27 +159,15 @@ class Eagle3Drafter(TrainableDrafter):
         Raises:
             ModelError: not an eagle3 checkpoint, or its weights or sizes do not fit.
         """
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         path = Path(path)
-        meta = read_meta(path)
-        if meta.get("type") != cls.name:
-            raise ModelError(f"{path}: a '{meta.get('type')}' checkpoint, not '{cls.name}'")
-        try:
-            saved = json.loads((path / CONFIG_FILE).read_text())
-            head_cfg, layers = saved["head"], saved["target_layers"]
-            state = load_file(path / WEIGHTS_FILE)
-        except (OSError, ValueError, KeyError, SafetensorError) as err:
-            raise ModelError(f"{path}: unreadable eagle3 checkpoint ({err})") from None
+        saved, state, draft_ids = read_head(path, cls.name, ("head", "target_layers"))
+        head_cfg, layers = saved["head"], saved["target_layers"]
         if head_cfg["target_hidden_size"] != target.hidden_size or max(layers) >= target.num_layers:
             raise ModelError(
                 f"{path}: made for a target with hidden size {head_cfg['target_hidden_size']} "
                 f"reading layers {layers}; {target.name} has {target.hidden_size} and "
                 f"{target.num_layers} layers"
             )
-        draft_ids = vocabulary.from_d2t(state.pop("d2t")) if "d2t" in state else None
-        state.pop("t2d", None)
         size = head_cfg["draft_vocab_size"]
         full = draft_ids is None and size == target.vocab_size
         fits = draft_ids is not None and len(draft_ids) == size
@@ -200,35 +184,17 @@ class Eagle3Drafter(TrainableDrafter):
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically: it is complete or it does not exist."""
-        from safetensors.torch import save_file
-
-        import specdec
-
-        meta = {
-            "type": self.name,
-            "target": target_name,
-            "draft_vocab_size": None if self.draft_ids is None else len(self.draft_ids),
-            "target_layers": list(self.required_target_layers),
-            "specdec_version": specdec.__version__,
-        }
-        if clash := set(meta) & set(extra or {}):
-            raise ValueError(f"extra entries would overwrite {sorted(clash)}")
-        meta.update(extra or {})
-        state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
-        if self.draft_ids is not None:
-            state["d2t"] = vocabulary.d2t(self.draft_ids.cpu())
-            state["t2d"] = vocabulary.t2d(self.draft_ids.cpu(), self.vocab_size)
+        layers = list(self.required_target_layers)
         config = {
             "head": self.model.cfg,
-            "target_layers": list(self.required_target_layers),
+            "target_layers": layers,
             "target_vocab_size": self.vocab_size,
             "step_weight_decay": self.decay,
         }
-        with atomic_dir(path) as tmp:
-            save_file(state, tmp / WEIGHTS_FILE)
-            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-            (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        return Path(path)
+        meta = {"target_layers": layers}
+        return write_head(
+            path, self, target_name=target_name, extra=extra, meta=meta, config=config
+        )
 
     # ----------------------------------------------------------------------- serving layouts
 

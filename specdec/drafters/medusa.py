@@ -32,7 +32,6 @@ layout).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,13 +46,10 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import vocabulary
 from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
-from specdec.drafters.checkpoint import CHECKPOINT_FILE, read_meta
+from specdec.drafters.checkpoint import read_head, write_head
 from specdec.drafters.tree import draft_tree
 from specdec.errors import ModelError
-from specdec.files import atomic_dir
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 #: the target layer the heads read: the last one, after the final norm (the LM head's input)
 LAST = -1
 
@@ -240,19 +236,9 @@ class MedusaDrafter(TrainableDrafter):
         Raises:
             ModelError: not a medusa checkpoint, or its weights or sizes do not fit.
         """
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         path = Path(path)
-        meta = read_meta(path)
-        if meta.get("type") != cls.name:
-            raise ModelError(f"{path}: a '{meta.get('type')}' checkpoint, not '{cls.name}'")
-        try:
-            saved = json.loads((path / CONFIG_FILE).read_text())
-            head_cfg = saved["heads"]
-            state = load_file(path / WEIGHTS_FILE)
-        except (OSError, ValueError, KeyError, SafetensorError) as err:
-            raise ModelError(f"{path}: unreadable medusa checkpoint ({err})") from None
+        saved, state, draft_ids = read_head(path, cls.name, ("heads",))
+        head_cfg = saved["heads"]
         if head_cfg["hidden_size"] != target.hidden_size or (
             not head_cfg["own_head"] and head_cfg["draft_vocab_size"] != target.vocab_size
         ):
@@ -261,8 +247,6 @@ class MedusaDrafter(TrainableDrafter):
                 f"vocabulary {saved.get('target_vocab_size')}; {target.name} has "
                 f"{target.hidden_size} and {target.vocab_size}"
             )
-        draft_ids = vocabulary.from_d2t(state.pop("d2t")) if "d2t" in state else None
-        state.pop("t2d", None)
         if head_cfg["own_head"] and (
             draft_ids is None
             or len(draft_ids) != head_cfg["draft_vocab_size"]
@@ -291,43 +275,26 @@ class MedusaDrafter(TrainableDrafter):
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically: it is complete or it does not exist."""
-        from safetensors.torch import save_file
-
-        import specdec
-
-        meta = {
-            "type": self.name,
-            "target": target_name,
-            "draft_vocab_size": None if self.draft_ids is None else len(self.draft_ids),
-            "num_heads": self.steps,
-            "specdec_version": specdec.__version__,
-        }
-        if clash := set(meta) & set(extra or {}):
-            raise ValueError(f"extra entries would overwrite {sorted(clash)}")
-        meta.update(extra or {})
-        state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
-        if self.draft_ids is not None:
-            state["d2t"] = vocabulary.d2t(self.draft_ids.cpu())
-            state["t2d"] = vocabulary.t2d(self.draft_ids.cpu(), self.vocab_size)
         config = {
             "heads": self.model.cfg,
             "target_vocab_size": self.vocab_size,
             "head_weight_decay": self.decay,
         }
+        files = None
         if self.backbone is not None:
-            from specdec.drafters.medusa_adapted import lora_settings
+            from specdec.drafters import medusa_adapted
 
-            config["lora"] = lora_settings(self.backbone)
+            config["lora"] = medusa_adapted.lora_settings(self.backbone)
             config["backbone_weight"] = self.backbone_weight
-        with atomic_dir(path) as tmp:
-            if self.backbone is not None:
-                from specdec.drafters.medusa_adapted import ADAPTER_DIR, save_adapter
 
-                save_adapter(self.backbone, tmp / ADAPTER_DIR)
-            save_file(state, tmp / WEIGHTS_FILE)
-            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-            (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        return Path(path)
+            def files(tmp: Path) -> None:
+                medusa_adapted.save_adapter(self.backbone, tmp / medusa_adapted.ADAPTER_DIR)
+
+        meta = {"num_heads": self.model.cfg["num_heads"]}
+        return write_head(
+            path, self, target_name=target_name, extra=extra, meta=meta, config=config,
+            files=files,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------------- serving layouts
 

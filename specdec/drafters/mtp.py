@@ -19,7 +19,6 @@ maps), ``config.json`` and ``drafter.json``.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,14 +31,11 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import vocabulary
 from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
-from specdec.drafters.checkpoint import CHECKPOINT_FILE, read_meta
+from specdec.drafters.checkpoint import read_head, write_head
 from specdec.drafters.eagle3_model import head_config
 from specdec.drafters.mtp_model import ModuleCache, MTPModel
 from specdec.errors import ModelError
-from specdec.files import atomic_dir
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 LAST = -1  # the target layer the first module reads: the last, after the final norm
 
 
@@ -118,19 +114,9 @@ class MTPDrafter(TrainableDrafter):
         Raises:
             ModelError: not an mtp checkpoint, or its weights or sizes do not fit.
         """
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         path = Path(path)
-        meta = read_meta(path)
-        if meta.get("type") != cls.name:
-            raise ModelError(f"{path}: a '{meta.get('type')}' checkpoint, not '{cls.name}'")
-        try:
-            saved = json.loads((path / CONFIG_FILE).read_text())
-            head_cfg = saved["modules"]
-            state = load_file(path / WEIGHTS_FILE)
-        except (OSError, ValueError, KeyError, SafetensorError) as err:
-            raise ModelError(f"{path}: unreadable mtp checkpoint ({err})") from None
+        saved, state, draft_ids = read_head(path, cls.name, ("modules",))
+        head_cfg = saved["modules"]
         full = not head_cfg["own_head"]
         if head_cfg["hidden_size"] != target.hidden_size or (
             full and head_cfg["draft_vocab_size"] != target.vocab_size
@@ -140,8 +126,6 @@ class MTPDrafter(TrainableDrafter):
                 f"vocabulary {saved.get('target_vocab_size')}; {target.name} has "
                 f"{target.hidden_size} and {target.vocab_size}"
             )
-        draft_ids = vocabulary.from_d2t(state.pop("d2t")) if "d2t" in state else None
-        state.pop("t2d", None)
         if not full and (
             draft_ids is None
             or len(draft_ids) != head_cfg["draft_vocab_size"]
@@ -161,34 +145,15 @@ class MTPDrafter(TrainableDrafter):
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically: it is complete or it does not exist."""
-        from safetensors.torch import save_file
-
-        import specdec
-
-        meta = {
-            "type": self.name,
-            "target": target_name,
-            "draft_vocab_size": None if self.draft_ids is None else len(self.draft_ids),
-            "num_modules": self.steps,
-            "specdec_version": specdec.__version__,
-        }
-        if clash := set(meta) & set(extra or {}):
-            raise ValueError(f"extra entries would overwrite {sorted(clash)}")
-        meta.update(extra or {})
-        state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
-        if self.draft_ids is not None:
-            state["d2t"] = vocabulary.d2t(self.draft_ids.cpu())
-            state["t2d"] = vocabulary.t2d(self.draft_ids.cpu(), self.vocab_size)
         config = {
             "modules": self.model.cfg,
             "target_vocab_size": self.vocab_size,
             "step_weight_decay": self.decay,
         }
-        with atomic_dir(path) as tmp:
-            save_file(state, tmp / WEIGHTS_FILE)
-            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-            (tmp / CHECKPOINT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        return Path(path)
+        meta = {"num_modules": self.steps}
+        return write_head(
+            path, self, target_name=target_name, extra=extra, meta=meta, config=config
+        )
 
     # ------------------------------------------------------------------------- training face
 
