@@ -80,3 +80,20 @@ def tiny_tokenizer(request):
     if request.param == "llama":
         return tiny_models.tiny_llama_tokenizer()
     return tiny_models.tiny_qwen2_tokenizer()
+
+
+@pytest.fixture
+def loaded_targets(monkeypatch) -> list:
+    """The targets training loads (``FrozenTarget.from_config``), in order: the first is the
+    instance a run trains against."""
+    from specdec.target import FrozenTarget
+
+    seen = []
+    real = FrozenTarget.from_config.__func__
+
+    def capture(cls, cfg):
+        seen.append(real(cls, cfg))
+        return seen[-1]
+
+    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
+    return seen

@@ -15,7 +15,6 @@ from test_training import finish, launch, losses, setup
 
 from specdec import drafters
 from specdec.config import load_recipe
-from specdec.target import FrozenTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug" / "tiny_eagle3.yaml"
@@ -36,17 +35,10 @@ def overrides(files: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_head_trains_target_and_embedding_stay_frozen(files, tmp_path, monkeypatch):
+def test_head_trains_target_and_embedding_stay_frozen(files, tmp_path, loaded_targets):
     from specdec.training.loop import train
 
-    seen = []
-    real = FrozenTarget.from_config.__func__
-
-    def capture(cls, cfg):
-        seen.append(real(cls, cfg))
-        return seen[-1]
-
-    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
+    seen = loaded_targets  # the target instance the run trains against
     run_dir = tmp_path / "run"
     recipe = load_recipe(RECIPE, overrides(files, run_dir, "train.save_every=100"))
     summary = train(recipe)

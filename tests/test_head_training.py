@@ -14,7 +14,6 @@ from test_training import finish, launch, losses, setup
 
 from specdec import drafters
 from specdec.config import load_recipe
-from specdec.target import FrozenTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"medusa": ("tiny_medusa.yaml", 3), "mtp": ("tiny_mtp.yaml", 2)}
@@ -23,17 +22,10 @@ files = setup  # the tiny target and prompt files of the draft-model training te
 
 
 @pytest.mark.parametrize("family", list(RECIPES))
-def test_heads_train_and_the_target_stays_frozen(files, tmp_path, monkeypatch, family):
+def test_heads_train_and_the_target_stays_frozen(files, tmp_path, loaded_targets, family):
     from specdec.training.loop import train
 
-    seen = []
-    real = FrozenTarget.from_config.__func__
-
-    def capture(cls, cfg):
-        seen.append(real(cls, cfg))
-        return seen[-1]
-
-    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
+    seen = loaded_targets  # the target instance the run trains against
     run_dir = tmp_path / "run"
     # the target's own LM head, shared by the heads: its weights must not move either
     extra = ("train.save_every=100", "drafter.draft_vocab_size=null")

@@ -132,18 +132,11 @@ def test_checkpoint_round_trip_in_peft_layout(target, tmp_path):
 
 
 def test_trains_adapters_and_heads_only_and_scores_against_the_adapted_backbone(
-    files, tmp_path, monkeypatch
+    files, tmp_path, loaded_targets
 ):
     from specdec.training.loop import train
 
-    seen = []
-    real = FrozenTarget.from_config.__func__
-
-    def capture(cls, cfg):
-        seen.append(real(cls, cfg))
-        return seen[-1]
-
-    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
+    seen = loaded_targets  # the target instance the run trains against
     run_dir = tmp_path / "run"
     recipe = load_recipe(RECIPE, overrides(files, run_dir, "train.save_every=100"))
     assert train(recipe)["steps"] == 4

@@ -102,21 +102,13 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path, monkeypatch):
+def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path, loaded_targets):
     from specdec.data.build import load_training_data
     from specdec.drafters.draft_model import build_draft_model
     from specdec.drafters.vocabulary import token_counts
-    from specdec.target import FrozenTarget
     from specdec.training.loop import train
 
-    seen = []  # the target instance the run trains against
-    real = FrozenTarget.from_config.__func__
-
-    def capture(cls, cfg):
-        seen.append(real(cls, cfg))
-        return seen[-1]
-
-    monkeypatch.setattr(FrozenTarget, "from_config", classmethod(capture))
+    seen = loaded_targets  # the target instance the run trains against
     run_dir = tmp_path / "run"
     # the draft starts as a copy of target layers: a tensor shared with the target would
     # train the target too
