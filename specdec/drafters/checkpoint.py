@@ -226,3 +226,27 @@ def read_head(
     draft_ids = vocabulary.from_d2t(state.pop("d2t")) if "d2t" in state else None
     state.pop("t2d", None)
     return saved, state, draft_ids
+
+
+def check_head_fits(path: Path, saved: dict, sizes: dict, draft_ids, target) -> None:
+    """A head's ``sizes`` (``hidden_size``, ``draft_vocab_size``, ``own_head``: an LM head of
+    its own over ``draft_ids``, else the target's) against ``target``.
+
+    Raises:
+        ModelError: made for a target of another width or vocabulary, or a draft vocabulary
+            that does not fit its head.
+    """
+    if sizes["hidden_size"] != target.hidden_size or (
+        not sizes["own_head"] and sizes["draft_vocab_size"] != target.vocab_size
+    ):
+        raise ModelError(
+            f"{path}: made for a target with hidden size {sizes['hidden_size']} and "
+            f"vocabulary {saved.get('target_vocab_size')}; {target.name} has "
+            f"{target.hidden_size} and {target.vocab_size}"
+        )
+    if sizes["own_head"] and (
+        draft_ids is None
+        or len(draft_ids) != sizes["draft_vocab_size"]
+        or int(draft_ids.max()) >= target.vocab_size
+    ):
+        raise ModelError(f"{path}: its draft vocabulary (d2t) does not fit its head or target")

@@ -31,7 +31,7 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import vocabulary
 from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
-from specdec.drafters.checkpoint import read_head, write_head
+from specdec.drafters.checkpoint import check_head_fits, read_head, write_head
 from specdec.drafters.eagle3_model import head_config
 from specdec.drafters.mtp_model import ModuleCache, MTPModel
 from specdec.errors import ModelError
@@ -117,21 +117,7 @@ class MTPDrafter(TrainableDrafter):
         path = Path(path)
         saved, state, draft_ids = read_head(path, cls.name, ("modules",))
         head_cfg = saved["modules"]
-        full = not head_cfg["own_head"]
-        if head_cfg["hidden_size"] != target.hidden_size or (
-            full and head_cfg["draft_vocab_size"] != target.vocab_size
-        ):
-            raise ModelError(
-                f"{path}: made for a target with hidden size {head_cfg['hidden_size']} and "
-                f"vocabulary {saved.get('target_vocab_size')}; {target.name} has "
-                f"{target.hidden_size} and {target.vocab_size}"
-            )
-        if not full and (
-            draft_ids is None
-            or len(draft_ids) != head_cfg["draft_vocab_size"]
-            or int(draft_ids.max()) >= target.vocab_size
-        ):
-            raise ModelError(f"{path}: its draft vocabulary (d2t) does not fit its head or target")
+        check_head_fits(path, saved, head_cfg, draft_ids, target)
         with torch.device("cpu"):
             model = new_model(target, head_cfg)
         try:
