@@ -1,4 +1,6 @@
-"""Draft-model checkpoints: the files a draft model is saved as, and loading them back.
+"""Checkpoints: the files a draft model is saved as, and loading them back; and, at the end,
+the checkpoint files every head family (EAGLE-3, Medusa, MTP) shares (:func:`write_head`,
+:func:`read_head`, :func:`check_head_fits`).
 
 ``DraftModelDrafter.save`` writes a transformers directory (``save_pretrained``, safetensors),
 the target's tokenizer, ``vocab_map.safetensors`` when the vocabulary is reduced, and
