@@ -1,18 +1,19 @@
 """The sampling certificate on the real target: a drafter passes it, the same drafter made to
-misreport q (it drafts from q but announces q at twice the temperature) fails it.
+misreport q (it drafts from q but announces q^(1/2), renormalised) fails it.
 
 Not a test (a real target, minutes of CPU): a measurement that the certificate has the power
-to catch a lossy decoder where it is used. The test suite runs the same check on tiny models.
+to catch a lossy decoder where it is used. The test suite runs the same checks on tiny models.
 
-    python bench/certificate.py --checkpoint runs/smollm2-135m-eagle3/best --samples 10000
     python bench/certificate.py --draft-model ~/.cache/specdec/models/smollm2-135m-instruct
+    python bench/certificate.py --checkpoint runs/smollm2-135m-eagle3/best --samples 2000
 
-The test's power depends on how much of the output's law the misreport moves: only draws whose
-draft is accepted or resampled from a residual that q shaped. On SmolLM2 a drafter accepted 4%
-of the time hides it in thousands of draws, and the target drafting for itself
-(``--draft-model`` the target's own directory: q = p, every draft accepted) moves about 4% of
-the mass under the misreport, which 1,000 draws do not resolve (README: measured). The tiny
-models of the test suite, whose law is sharp, show it at 2,000 draws.
+A misreported q changes the output's law only through the drafts it decides, so the power
+depends on the drafter: the target drafting for itself (``--draft-model`` the target's own
+directory: q = p, every draft accepted) moves about 4% of the mass per token under the
+misreport; a drafter accepted 4% of the time moves almost none (and the output is then almost
+the target's anyway). The per-context chi-square needs repeated contexts, which a real
+target's law gives only for the first token; the probability integral transform tests every
+token of every draw (README: measured).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def main() -> None:
         "--draft-model", help="a transformers causal LM with the target's tokenizer (a path)"
     )
     parser.add_argument("--target", help="target spec (default: the checkpoint's, or SmolLM2)")
-    parser.add_argument("--samples", type=int, default=10_000, help="draws for the drafter")
-    parser.add_argument("--bug-samples", type=int, default=2_000, help="draws for the bug")
+    parser.add_argument("--samples", type=int, default=400, help="draws for the drafter")
+    parser.add_argument("--bug-samples", type=int, default=400, help="draws for the bug")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per draw")
     parser.add_argument("--prompts", default="mtbench,humaneval")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--k", type=int, default=4)
@@ -77,8 +79,10 @@ def main() -> None:
     runs = [("drafter", drafter, args.samples)]
     runs.append(("misreported q", Misreporting(drafter), args.bug_samples))
     for name, d, n in runs:
-        cert = sampling_certificate(target.model, target.tokenizer, d, prompts, n, k=args.k)
-        keep = ("samples", "statistic", "dof", "p_value", "passed", "groups_tested", "accept_rate")
+        cert = sampling_certificate(
+            target.model, target.tokenizer, d, prompts, n, k=args.k, new_tokens=args.new_tokens
+        )
+        keep = ("samples", "tokens", "p_value", "passed", "accept_rate", "context_p_value", "pit")
         print(
             f"{name:>14}: "
             + json.dumps({key: cert[key] for key in keep})

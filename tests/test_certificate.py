@@ -15,7 +15,7 @@ import pytest
 import tiny_models
 import torch
 from markov import reference_law
-from scipy.stats import chi2
+from scipy.stats import chi2, kstest, kstwobign
 
 from specdec import drafters
 from specdec.decoding.compact import target_session
@@ -30,7 +30,10 @@ from specdec.scoring.certificate import (
     chi2_sf,
     exact_probabilities,
     greedy_certificate,
+    kolmogorov_sf,
+    ks_uniform,
     pearson,
+    pit_values,
     sampling_certificate,
     tie_margin_for,
 )
@@ -83,29 +86,82 @@ class GuessDrafter(Wrapped):
 
 def test_correct_drafter_passes(setup):
     model, prompts, drafter = setup
-    result = sampling_certificate(model, None, drafter, prompts, 10_000, k=4)
+    result = sampling_certificate(model, None, drafter, prompts, 10_000, k=4, new_tokens=4)
     assert result["samples"] == 10_000 and result["prompts"] == 4
     assert result["passed"] and result["p_value"] > PASS_LEVEL, result
     # t1 per prompt, t2 per (prompt, t1), t3 per (prompt, t1, t2): many contexts tested
     assert result["groups_tested"] >= 50 and result["dof"] >= 200, result
+    assert result["context_p_value"] > PASS_LEVEL
+    # every token of every draw is transformed; their mean is a uniform's within ~4 sigma
+    pit = result["pit"]
+    assert pit["tokens"] == result["tokens"] == 40_000 and pit["p_value"] > PASS_LEVEL, pit
+    assert abs(pit["mean_u"] - 0.5) < 4 * (1 / 12 / 40_000) ** 0.5, pit
     assert 0.2 < result["accept_rate"] < 0.98, result  # both acceptance and rejection occur
     assert result["outside_support"] == 0
 
 
 def test_misreported_q_fails(setup):
     """Same target, prompts and drafter, but the reported q is not the one drafted from; a
-    fifth of the draws already detects it (more draws only add power)."""
+    fifth of the draws already detects it (more draws only add power), and each of the two
+    tests detects it on its own."""
     model, prompts, drafter = setup
-    result = sampling_certificate(model, None, MisreportingDrafter(drafter), prompts, 2_000, k=4)
+    result = sampling_certificate(
+        model, None, MisreportingDrafter(drafter), prompts, 2_000, k=4, new_tokens=8
+    )
     assert not result["passed"] and result["p_value"] < DETECT_LEVEL, result
+    assert result["context_p_value"] < DETECT_LEVEL
+    assert result["pit"]["p_value"] < DETECT_LEVEL, result["pit"]
+    # q reported flatter than drafted: the target's likely tokens come out too often
+    assert result["pit"]["mean_u"] < 0.5
+
+
+def test_pit_alone_catches_the_bug_where_contexts_do_not_repeat(setup):
+    """Draws of 24 tokens after 20 prompts, 25 draws each: too few draws per context for the
+    chi-square past t1, enough tokens for the transform."""
+    model, _, drafter = setup
+    prompts = [[1 + (7 * i + j) % 300 for j in range(6)] for i in range(20)]
+    result = sampling_certificate(
+        model, None, MisreportingDrafter(drafter), prompts, 500, k=4, new_tokens=24
+    )
+    assert result["context_p_value"] > DETECT_LEVEL, result  # it misses the bug here
+    assert result["pit"]["p_value"] < DETECT_LEVEL and not result["passed"], result
+    clean = sampling_certificate(model, None, drafter, prompts, 500, k=4, new_tokens=24)
+    assert clean["passed"] and clean["pit"]["p_value"] > PASS_LEVEL, clean
+
+
+def test_pit_values_rank_by_probability():
+    """U against a numpy transform: sort by probability, highest first, ties by token id."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.full(12, 0.5), size=200)
+    p[:, 3] = p[:, 5]  # a tie: token 3 ranks before token 5
+    p /= p.sum(1, keepdims=True)
+    tokens = np.array([rng.choice(12, p=row) for row in p])
+    tokens[:20] = 5
+    got = pit_values(torch.tensor(p), torch.tensor(tokens), torch.Generator().manual_seed(3))
+    v = torch.rand(200, generator=torch.Generator().manual_seed(3), dtype=torch.float64).numpy()
+    expected = []
+    for row, x, vi in zip(p, tokens, v, strict=True):
+        order = sorted(range(12), key=lambda t: (-row[t], t))
+        before = order[: order.index(x)]
+        expected.append(row[before].sum() + vi * row[x])
+    np.testing.assert_allclose(got.numpy(), expected, atol=1e-12)
+
+
+def test_ks_statistic_and_tail_match_scipy():
+    u = torch.rand(5_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for sample in (u, u**1.05):
+        assert ks_uniform(sample) == pytest.approx(kstest(sample.numpy(), "uniform").statistic)
+    for x in (0.05, 0.3, 0.8, 0.99, 1.0, 1.36, 1.95, 3.0, 6.0):
+        assert kolmogorov_sf(x) == pytest.approx(kstwobign.sf(x), rel=1e-9, abs=1e-300)
 
 
 def test_deterministic_drafter_with_top_k_passes(setup):
     """probs None (one-hot q) under temperature and top-k: still the target's law."""
     model, prompts, drafter = setup
     result = sampling_certificate(
-        model, None, GuessDrafter(drafter), prompts, 2_000, k=2, temperature=0.8, top_k=20
-    )
+        model, None, GuessDrafter(drafter), prompts, 2_000, k=2, temperature=0.8, top_k=20,
+        new_tokens=4,
+    )  # fmt: skip
     assert result["passed"] and result["p_value"] > PASS_LEVEL, result
     assert 0.2 < result["accept_rate"] < 0.98, result
     assert result["outside_support"] == 0
@@ -201,10 +257,10 @@ def test_prompt_read_once_draws_what_fresh_sessions_draw(setup, family, forward)
     reused = PromptOnce(target_session(model, forward, layers))
     for prompt in prompts[:2]:
         fresh = [
-            _draw(target_session(model, forward, layers), drafter, prompt, [s], 4, params)[0][0]
+            _draw(target_session(model, forward, layers), drafter, prompt, [s], 4, params, 3)[0][0]
             for s in seeds
         ]
-        draws, (drafted, accepted) = _draw(reused, drafter, prompt, seeds, 4, params)
+        draws, (drafted, accepted) = _draw(reused, drafter, prompt, seeds, 4, params, 3)
         assert draws == fresh
         assert drafted == len(seeds) and 0 < accepted < drafted  # rejections happen too
         assert len(set(draws)) > 10

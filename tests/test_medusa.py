@@ -185,7 +185,9 @@ def test_sampling_passes_the_certificate(sharp, tree):
     texts = [(p, greedy_reference(sharp.model, p, 12)) for p in prompts]
     drafter = fitted(sharp, texts, vocab=300)
     drafter.configure(tree=tree)
-    result = sampling_certificate(sharp.model, None, drafter, prompts, 6_000, k=3)
+    result = sampling_certificate(
+        sharp.model, None, drafter, prompts, 6_000, k=3, new_tokens=3
+    )  # the fitted heads know 12 tokens
     assert result["passed"] and result["p_value"] > 1e-3, result
     # hundreds of accepted drafts and of rejections among the 6,000 draws (a rate per drafted
     # node: the tree's first round drafts 3 siblings for one position)

@@ -7,12 +7,26 @@ noise, since the verify forward over several tokens and the one-token forward of
 round differently; any other divergence is a failure.
 
 Sampling: speculative sampling emits exactly the target's distribution (Leviathan et al. 2023,
-Theorem 1; Chen et al. 2023). :func:`sampling_certificate` decodes three tokens per draw with
-specdec's own decoder, so the first round drafts one token: t1 comes from the prefill, t2 is
-decided by the acceptance test (accepted draft or residual resample) and t3 is the bonus token
-or a plain step. The law of each t_i given what precedes it is computed exactly from one target
-forward per context, and the observed counts are compared with it by Pearson's chi-square test
-pooled over contexts (Anderson and Goodman 1957), so the reference is never sampled.
+Theorem 1; Chen et al. 2023). :func:`sampling_certificate` draws ``new_tokens`` tokens per draw
+with specdec's own decoder and tests them against the target's exact law, computed by a plain
+forward of the model (no cache, no session), two ways; the reference is never sampled:
+
+- *per context*: the first three tokens (t1 from the prefill, t2 and t3 decided by the first
+  round's acceptance test, residual resample or bonus), grouped by the tokens before them;
+  Pearson's chi-square of the counts, pooled over contexts (Anderson and Goodman 1957). Sharp
+  where contexts repeat (a small model's law); on a real target few do beyond t1.
+- *every token*: the randomised probability integral transform. Order the vocabulary by the
+  target's probability, highest first; a token x drawn from p gives
+  U = P(tokens before x) + V p(x) with V ~ Uniform(0, 1) independent, which is Uniform(0, 1)
+  given everything before it, so the U of all tokens of all draws are independent uniforms
+  (Rosenblatt 1952; randomised for discrete laws as in Brockwell 2007). A decoder whose law at
+  a context is P != p gives U the density P(x) / p(x) on x's interval instead; the
+  Kolmogorov-Smirnov test compares the pooled U with the uniform law. It uses every token, so
+  its power grows with the draw length, not with repeated contexts: a decoder that favours the
+  target's likely tokens (or its unlikely ones) shifts U down (up) at every position.
+
+The certificate fails when either test, Bonferroni-corrected, rejects at its level, or when a
+draw holds a token the target gives probability 0.
 
 All draws of one prompt share the prompt's forward (:class:`PromptOnce`): the target's cache
 entries of the prompt are what a fresh prefill writes, so a draw costs the few forwards of its
@@ -21,6 +35,7 @@ three tokens, not a prefill; the draws are exactly those of fresh sessions (test
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -43,8 +58,9 @@ TIE_MARGIN = 1e-3
 TIE_MARGINS = {torch.float32: TIE_MARGIN, torch.float16: 1e-2, torch.bfloat16: 1e-1}
 #: the usual validity rule of the chi-square approximation: cells expect at least 5 counts
 MIN_EXPECTED = 5.0
-#: tokens per draw: the prefill's token, one drafted round's decided token, its bonus
-NEW_TOKENS = 3
+#: tokens of each draw in the per-context test: the prefill's token and the first round's next
+#: two (where they repeat often enough to be tested)
+CONTEXT_TOKENS = 3
 
 
 def tie_margin_for(dtype: torch.dtype) -> float:
@@ -96,6 +112,7 @@ def sampling_certificate(
     seed: int = 0,
     target_forward: str = "auto",
     alpha_level: float = 1e-3,
+    new_tokens: int = 16,
 ) -> dict:
     """Test that speculative sampling with ``drafter`` draws from the target's distribution.
 
@@ -105,19 +122,24 @@ def sampling_certificate(
         drafter: the drafter under test, configured as it will be scored.
         prompts: prompt token ids; ``samples // len(prompts)`` draws each.
         samples: total draws.
-        k: draft tokens per round (a 3-token draw's first round drafts one token for any k).
+        k: draft tokens per round.
         temperature, top_k, top_p: the sampling settings (temperature > 0).
-        seed: every draw has its own generator, seeded from this.
+        seed: every draw has its own generator, seeded from this; so has the PIT's V.
         target_forward: how the decoder runs the target (``TARGET_FORWARDS``).
-        alpha_level: the test's level: it fails when the p-value is below it.
+        alpha_level: the certificate's level: it fails when the p-value is below it.
+        new_tokens: tokens per draw (at least :data:`CONTEXT_TOKENS`).
 
     Returns:
-        ``{"samples", "prompts", "statistic", "dof", "p_value", "alpha", "passed",
-        "groups_tested", "groups_skipped", "accept_rate", "outside_support", "seconds",
-        "method"}``; it fails too when nothing had enough draws to be tested (dof 0).
+        ``{"samples", "prompts", "tokens", "p_value", "alpha", "passed", "accept_rate",
+        "outside_support", "seconds", "method", "statistic", "dof", "context_p_value",
+        "groups_tested", "groups_skipped", "pit"}``: p_value is the Bonferroni-corrected
+        smaller of the two tests' (the per-context chi-square's statistic, dof and p-value, and
+        ``pit = {"tokens", "ks", "p_value", "mean_u"}``); accept_rate is over all rounds.
     """
     if not prompts or samples < len(prompts):
         raise ValueError(f"need at least one draw per prompt: {samples} for {len(prompts)}")
+    if new_tokens < CONTEXT_TOKENS:
+        raise ValueError(f"new_tokens must be at least {CONTEXT_TOKENS}, got {new_tokens}")
     params = SamplingParams(temperature, top_k, top_p)
     if params.greedy:
         raise ValueError("sampling_certificate needs temperature > 0; use greedy_certificate")
@@ -127,34 +149,47 @@ def sampling_certificate(
     seeds = torch.randint(
         0, 2**62, (len(prompts), per_prompt), generator=torch.Generator().manual_seed(seed)
     )
+    uniform = torch.Generator().manual_seed(seed + 1)
     statistic, dof, tested, skipped, outside, accepted, drafted = 0.0, 0, 0, 0, 0, 0, 0
+    pits = []
     for prompt, row in zip(prompts, seeds.tolist(), strict=True):
-        draws, rounds = _draw(target, drafter, prompt, row, k, params)
+        draws, rounds = _draw(target, drafter, prompt, row, k, params, new_tokens)
         drafted, accepted = drafted + rounds[0], accepted + rounds[1]
-        for depth in range(NEW_TOKENS):
+        for depth in range(CONTEXT_TOKENS):
             result = _test_depth(model, prompt, draws, depth, params)
             statistic, dof = statistic + result[0], dof + result[1]
-            tested, skipped, outside = tested + result[2], skipped + result[3], outside + result[4]
-    p_value = chi2_sf(statistic, dof) if dof else 1.0
+            tested, skipped = tested + result[2], skipped + result[3]
+        u, zero = pit_of_draws(model, prompt, draws, params, uniform)
+        pits.append(u)
+        outside += zero
+    u = torch.cat(pits)
+    ks = ks_uniform(u)
+    pit_p = kolmogorov_sf(ks * len(u) ** 0.5)
+    context_p = chi2_sf(statistic, dof) if dof else 1.0
+    p_value = min(1.0, 2 * min(pit_p, context_p))
     return {
         "samples": per_prompt * len(prompts),
         "prompts": len(prompts),
-        "statistic": statistic,
-        "dof": dof,
+        "tokens": len(u),
         "p_value": p_value,
         "alpha": alpha_level,
-        "passed": dof > 0 and p_value >= alpha_level,
-        "groups_tested": tested,
-        "groups_skipped": skipped,
+        "passed": p_value >= alpha_level and outside == 0,
         "accept_rate": accepted / drafted if drafted else None,
         "outside_support": outside,
         "seconds": time.perf_counter() - start,
         "method": (
-            f"Pearson chi-square of t1 | prompt, t2 | prompt+t1 and t3 | prompt+t1+t2 over "
-            f"{NEW_TOKENS}-token speculative draws against the target's exact processed "
-            f"probabilities (one forward per context), cells expecting < {MIN_EXPECTED:g} "
-            "merged, pooled over contexts"
+            f"{new_tokens}-token speculative draws against the target's exact processed law "
+            "(a plain forward of the model): Pearson chi-square of t1 | prompt, t2 | prompt+t1 "
+            f"and t3 | prompt+t1+t2 (cells expecting < {MIN_EXPECTED:g} merged, pooled over "
+            "contexts) and Kolmogorov-Smirnov of every token's randomised probability integral "
+            "transform against Uniform(0, 1); p-value the smaller of the two, times 2"
         ),
+        "statistic": statistic,
+        "dof": dof,
+        "context_p_value": context_p,
+        "groups_tested": tested,
+        "groups_skipped": skipped,
+        "pit": {"tokens": len(u), "ks": ks, "p_value": pit_p, "mean_u": float(u.mean())},
     }
 
 
@@ -197,12 +232,12 @@ class PromptOnce:
         return logits
 
 
-def _draw(target, drafter, prompt, seeds: list[int], k: int, params) -> tuple:
-    """One speculative draw of :data:`NEW_TOKENS` tokens per seed, each with its own generator
+def _draw(target, drafter, prompt, seeds: list[int], k: int, params, new_tokens: int) -> tuple:
+    """One speculative draw of ``new_tokens`` tokens per seed, each with its own generator
     (no EOS: the law of the tokens does not depend on where decoding would stop).
 
     Returns:
-        ``(draws, (drafted, accepted))``: the token tuples, and the first rounds' totals.
+        ``(draws, (drafted, accepted))``: the token tuples, and all rounds' totals.
     """
     draws, drafted, accepted = [], 0, 0
     for seed in seeds:
@@ -212,13 +247,12 @@ def _draw(target, drafter, prompt, seeds: list[int], k: int, params) -> tuple:
             prompt,
             drafter=drafter,
             k=k,
-            max_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
             params=params,
             generator=generator,
         )
         draws.append(tuple(gen.tokens))
-        drafted += gen.drafted[0] if gen.drafted else 0
-        accepted += gen.accepted[0] if gen.accepted else 0
+        drafted, accepted = drafted + sum(gen.drafted), accepted + sum(gen.accepted)
     return draws, (drafted, accepted)
 
 
@@ -227,25 +261,24 @@ def _test_depth(model, prompt: list[int], draws: list[tuple], depth: int, params
     and the tokens before it, pooled over those prefixes.
 
     Returns:
-        ``(statistic, dof, groups tested, groups skipped, draws where p is 0)``.
+        ``(statistic, dof, groups tested, groups skipped)``.
     """
     groups = Counter(d[:depth] for d in draws if len(d) > depth)
     contexts = [c for c, n in groups.items() if n >= 2 * MIN_EXPECTED]
     skipped = len(groups) - len(contexts)
     if not contexts:
-        return 0.0, 0, 0, skipped, 0
+        return 0.0, 0, 0, skipped
     p = exact_probabilities(model, [list(prompt) + list(c) for c in contexts], params)
-    statistic, dof, tested, outside = 0.0, 0, 0, 0
+    statistic, dof, tested = 0.0, 0, 0
     for context, row in zip(contexts, p, strict=True):
         tokens = torch.tensor([d[depth] for d in draws if d[:depth] == context])
         observed = torch.bincount(tokens, minlength=row.shape[0]).double()
-        outside += int(observed[row == 0].sum())
         cells = pearson(observed, len(tokens) * row)
         if cells is None:
             skipped += 1
             continue
         statistic, dof, tested = statistic + cells[0], dof + cells[1], tested + 1
-    return statistic, dof, tested, skipped, outside
+    return statistic, dof, tested, skipped
 
 
 @torch.inference_mode()
@@ -265,6 +298,62 @@ def exact_probabilities(
             for i, p in zip(index, probabilities(logits, params).double().cpu(), strict=True):
                 rows[i] = p
     return torch.stack(rows)
+
+
+@torch.inference_mode()
+def pit_of_draws(model, prompt: list[int], draws: list[tuple], params, generator, batch: int = 8):
+    """The randomised PIT (:func:`pit_values`) of every token of ``draws`` (all of one length)
+    under the target's processed law after the prompt and the draw's tokens before it, from
+    plain forwards of the model over ``batch`` draws at a time.
+
+    Returns:
+        ``(u, outside)``: ``[len(draws) * T]`` float64, and how many tokens had probability 0.
+    """
+    device = next(model.parameters()).device
+    keep = len(draws[0]) + 1  # logits after the prompt's last token and after each drawn token
+    params_of = signature(model.forward).parameters
+    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in params_of else {}
+    pits, outside = [], 0
+    for i in range(0, len(draws), batch):
+        ids = torch.tensor([list(prompt) + list(d) for d in draws[i : i + batch]], device=device)
+        logits = model(input_ids=ids, **kwargs).logits[:, -keep:-1]  # [b, T, V]
+        p = probabilities(logits.flatten(0, 1), params).double().cpu()
+        tokens = ids[:, 1 - keep :].flatten().cpu()
+        outside += int((p.gather(-1, tokens[:, None]) == 0).sum())
+        pits.append(pit_values(p, tokens, generator))
+    return torch.cat(pits), outside
+
+
+def pit_values(p: torch.Tensor, tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The randomised probability integral transform of ``tokens`` ``[N]`` under the laws ``p``
+    ``[N, V]``: U = (mass of the tokens ranked before x) + V p(x), ranking by probability,
+    highest first, ties by token id; V ~ Uniform(0, 1) from ``generator``. ``[N]`` float64."""
+    p = p / p.sum(-1, keepdim=True)
+    px = p.gather(-1, tokens[:, None])  # [N, 1]
+    ids = torch.arange(p.shape[-1])
+    before = (p > px) | ((p == px) & (ids < tokens[:, None]))
+    v = torch.rand(len(tokens), generator=generator, dtype=torch.float64)
+    return (p * before).sum(-1) + v * px[:, 0]
+
+
+def ks_uniform(u: torch.Tensor) -> float:
+    """The Kolmogorov-Smirnov distance of the sample ``u`` from Uniform(0, 1)."""
+    u, n = u.double().sort().values, len(u)
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    return float(torch.maximum(i / n - u, u - (i - 1) / n).max())
+
+
+def kolmogorov_sf(x: float) -> float:
+    """P(K > x) for Kolmogorov's limit law of sqrt(n) D_n, D_n the Kolmogorov-Smirnov distance
+    of n uniforms (conservative for finite n): 2 sum (-1)^(j-1) exp(-2 j^2 x^2), or for small x
+    one minus the Jacobi theta form sqrt(2 pi) / x sum exp(-(2j - 1)^2 pi^2 / (8 x^2))."""
+    if x <= 0:
+        return 1.0
+    if x < 1.0:
+        cdf = sum(math.exp(-((2 * j - 1) ** 2) * math.pi**2 / (8 * x * x)) for j in range(1, 50))
+        return min(1.0, max(0.0, 1.0 - math.sqrt(2 * math.pi) / x * cdf))
+    tail = sum((-1) ** (j - 1) * math.exp(-2 * j * j * x * x) for j in range(1, 100))
+    return min(1.0, max(0.0, 2 * tail))
 
 
 def pearson(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int] | None:
