@@ -26,6 +26,7 @@ from specdec.decoding.compact import target_session
 from specdec.decoding.speculative import cheapest_verify_lengths, generate
 from specdec.drafters.tree import TreeSpec
 from specdec.scoring.command import load_prompts
+from specdec.scoring.report import rates
 from specdec.scoring.run import (
     ScoreSettings,
     calibrated_tree,
@@ -136,7 +137,7 @@ def table(results: dict, profile: dict) -> str:
     head += f"{'speedup':>8} {'bound':>7} {'same':>5} {'keep%':>6}"
     lines = [head]
     for method, r in results.items():
-        accept = " ".join(f"{a:.2f}" for a in r["accept_rate_per_position"])
+        accept = rates(r["accept_rate_per_position"])
         lines.append(
             f"{method:<42} {r['tau']:>6.3f} {accept:>22} {r['mean_drafted']:>5.1f} "
             f"{r['c']:>6.3f} {r['v']:>6.3f} {r['speedup']:>7.3f}x {r['bound_speedup']:>6.3f}x "

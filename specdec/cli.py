@@ -119,6 +119,9 @@ def _eval(args: argparse.Namespace) -> None:
         target_forward=args.target_forward,
         draft_forward=args.draft_forward,
         draft_confidence=args.draft_confidence,
+        tree_top_k=args.tree_top_k,
+        tree_budget=args.tree_budget,
+        tree_max_nodes=args.tree_max_nodes,
         bootstrap=args.bootstrap,
         certify=args.certify,
         force=args.force,
@@ -169,11 +172,12 @@ def _cache(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from specdec.config import load_recipe
+    from specdec.scoring.report import rates
     from specdec.training.loop import train
 
     summary = train(load_recipe(args.config, args.overrides + args.set))
     for row in summary["scores"]:
-        accept = " ".join(f"{a:.2f}" for a in row["accept"])
+        accept = rates(row["accept"])
         print(
             f"{row['checkpoint']}  tau {row['tau']:.3f}  speedup {row['speedup']:.2f}x  "
             f"greedy identity {row['greedy_match_rate']}  accept@i {accept}"
@@ -291,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--certify",
         type=int,
         default=0,
-        help="samples of the T=1 losslessness test recorded in score.json (0: greedy only)",
+        help="draws (16 tokens each) of the T=1 losslessness test recorded in score.json "
+        "(0: greedy only)",
     )
     s.set_defaults(func=_score)
 
@@ -303,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         help="repeatable: plain, generate, prompt_lookup, a checkpoint dir, draft_model:PATH, "
-        "prompt_lookup+PATH, hf_assisted:PATH, hf_prompt_lookup (plain and generate always run)",
+        "prompt_lookup+PATH, hf_assisted:PATH, hf_prompt_lookup (plain and generate always run); "
+        "a drafter with @dynamic or @static verifies trees",
     )
     v.add_argument("--out", required=True, help="directory for results.json, report.md, plots")
     v.add_argument("--prompts", help="comma-separated prompt files, packaged names or hub ids")
@@ -330,12 +336,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="drafters stop a chain once its probability falls below this (0: all k)",
     )
+    v.add_argument("--tree-top-k", type=int, default=4, help="@dynamic/@static: children "
+                   "per expanded node and nodes expanded per depth")  # fmt: skip
+    v.add_argument("--tree-budget", type=int, default=0, help="@dynamic: nodes verified per "
+                   "round (0: chosen from the measured verify cost)")  # fmt: skip
+    v.add_argument("--tree-max-nodes", type=int, default=24, help="the largest tree verified")
     v.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     v.add_argument(
         "--certify",
         type=int,
         default=0,
-        help="samples of the T=1 losslessness test per drafter method (0: greedy only)",
+        help="draws (16 tokens each) of the T=1 losslessness test per drafter method "
+        "(0: greedy only)",
     )
     v.add_argument("--compare", metavar="OLD.json", help="an earlier results.json to diff against")
     v.add_argument("--force", action="store_true", help="replace results in --out")

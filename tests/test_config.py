@@ -201,6 +201,7 @@ def test_local_paths_are_not_checked(write):
         ("loss.beta=1.5", "expected <= 1, got 1.5"),
         ("loss.mix.jsd=-1", "expected >= 0, got -1.0"),
         ("train.max_steps=-1", "expected >= 0, got -1"),
+        ("train.max_minutes=0", "expected > 0, got 0.0"),
         ("data.max_prompts=0", "expected >= 1, got 0"),
     ],
 )

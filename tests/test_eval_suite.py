@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiny_models
+import torch
 from test_cli_errors import error_line
 
 from specdec.scoring import suite
@@ -262,3 +263,52 @@ def test_a_category_of_one_prompt_shows_no_interval():
     nan = float("nan")
     assert _ci({"speedup": 1.5, "speedup_ci": [nan, nan]}) == "1.50x"
     assert _ci({"speedup": 1.5, "speedup_ci": [1.25, 1.75]}) == "1.50x [1.25, 1.75]"
+
+
+def test_trees_run_beside_the_chain_in_one_evaluation(files, tmp_path):
+    """``SPEC@dynamic`` and ``SPEC@static`` verify trees in the same run as the chain: each
+    greedy output is plain decoding's, the dynamic tree verifies its budget of nodes a round,
+    the static one the paths calibrated on the warm-up prompt, and the report names both. The
+    target (its head scaled up, so that its law is peaked as a trained model's) drafts for
+    itself, so drafts are accepted and trees grow deeper than one token."""
+    model, tokenizer = tiny_models.tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    sharp = tiny_models.save_tiny(model, tokenizer, tmp_path / "sharp")
+    draft = f"draft_model:{sharp}"
+    methods = [draft, draft + "@dynamic", draft + "@static"]
+    settings = dict(ks=[2], temperatures=[0.0, 1.0], tree_budget=3, target=str(sharp))
+    result = run_eval(job(files, tmp_path / "out", methods, **settings))
+    for config in result["configs"]:
+        chain, dynamic, static = (config["methods"][m] for m in result["methods"][2:])
+        assert "tree" not in chain and dynamic["tree"]["kind"] == "dynamic"
+        assert dynamic["tree"]["budget"] == 3 and 1 < dynamic["mean_drafted"] <= 3
+        paths = static["tree"]["choices"]
+        assert static["tree"]["kind"] == "static" and len(paths) >= 2, paths
+        assert 0 < static["mean_drafted"] <= len(paths)
+        assert dynamic["tau"] > 1.3 and static["tau"] > 1.3  # drafts accepted
+        for tree in (dynamic, static):  # the tree bound: tau over the round's forwards
+            cost = tree["mean_depth"] * tree["c"] + tree["v"]
+            assert tree["bound_speedup"] == pytest.approx(tree["tau"] / cost)
+        if config["temperature"] == 0:
+            assert dynamic["greedy_match_rate"] == static["greedy_match_rate"] == 1.0
+            assert max(len(p) for p in paths) >= 2 and dynamic["mean_depth"] > 1, paths
+    write_report(result, tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "Trees verified" in text and "dynamic, top-4, budget 3" in text
+
+
+def test_a_tree_of_a_method_that_cannot_branch(capsys, files, tmp_path, no_model_loads):
+    root, _ = files
+    argv = ["eval", "--prompts", str(root / "p.jsonl"), "--out", str(tmp_path / "o")]
+    err = error_line(capsys, [*argv, "--method", "hf_prompt_lookup@dynamic"])
+    assert "method 'hf_prompt_lookup@dynamic': only a drafter of specdec's decoder" in err
+    err = error_line(capsys, [*argv, "--method", "prompt_lookup@dynamic@static"])
+    assert "method 'prompt_lookup@dynamic@static': one tree suffix at most" in err
+    err = error_line(capsys, [*argv, "--method", "prompt_lookup@static", "--warmup", "0"])
+    assert "a static tree is calibrated on the warm-up prompts; set --warmup 1" in err
+
+
+def test_a_chain_only_family_asked_for_a_tree(files, tmp_path):
+    with pytest.raises(suite.ConfigError, match="'prompt_lookup' drafter drafts chains only"):
+        run_eval(job(files, tmp_path, ["prompt_lookup@dynamic"], ks=[2], temperatures=[0.0]))

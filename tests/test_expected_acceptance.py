@@ -109,3 +109,21 @@ def test_greedy_decoding_records_no_overlaps():
     )  # fmt: skip
     assert out.overlaps == []
     assert expected_acceptance([out], 3)["expected_alpha"] is None
+
+
+def test_positions_never_drafted_have_no_rate():
+    """Rounds that drafted one or two tokens (k = 4): positions 3 and 4 were never offered, so
+    their rates are None (absent), not 0; the drafted positions' rates count by hand."""
+    from specdec.decoding.speculative import Generation
+
+    # three rounds: drafted 2 accepted 2, drafted 2 accepted 0, drafted 1 accepted 1
+    gen = Generation(
+        tokens=list(range(6)), drafted=[2, 2, 1], depths=[2, 2, 1], accepted=[2, 0, 1],
+        overlaps=[[0.9, 0.5], [0.2, 0.1], [0.7]],
+    )  # fmt: skip
+    counted = acceptance([gen], 4)
+    assert counted["accept_rate_per_position"] == [2 / 3, 1 / 2, None, None]
+    assert counted["conditional_accept_rate_per_position"] == [2 / 3, 1 / 1, None, None]
+    expected = expected_acceptance([gen], 4)["expected_accept_rate_per_position"]
+    assert expected[:2] == pytest.approx([(0.9 + 0.2 + 0.7) / 3, (0.45 + 0.02) / 2])
+    assert expected[2:] == [None, None]

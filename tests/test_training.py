@@ -313,3 +313,68 @@ def test_length_groups_cover_each_epoch_once_and_pad_less():
     plain, padded_plain = epoch(1)
     assert grouped == plain == list(range(64))  # every row once per epoch
     assert padded_grouped < padded_plain / 2
+
+
+def test_wall_clock_budget_stops_saves_and_resumes(setup, tmp_path, monkeypatch):
+    """train.max_minutes: with a clock that advances one second per reading every step costs
+    one second, so a budget of 0.1 minutes stops the run after step 6 of 50 and saves and
+    scores it; relaunched with the same budget it trains no more (and scores that step if a kill
+    left it unscored), with a larger one it goes on (the budget may change between a run and
+    its resumption)."""
+    from itertools import count
+
+    from specdec.training import loop
+
+    ticks = count()
+    monkeypatch.setattr(loop, "clock", lambda: float(next(ticks)))
+    run_dir = tmp_path / "run"
+
+    def run(minutes: float) -> dict:
+        args = ("train.max_steps=50", "train.save_every=100", f"train.max_minutes={minutes}")
+        return loop.train(load_recipe(RECIPE, overrides(setup, run_dir, *args)))
+
+    first = run(0.1)
+    assert (first["steps"], first["seconds"]) == (6, 6.0)
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert (
+        saved == ["step-000006"] and (run_dir / "checkpoints" / saved[0] / "score.json").is_file()
+    )
+    assert losses(run_dir)[-1][0] == 6  # the last step is logged too
+    score = run_dir / "checkpoints" / "step-000006" / "score.json"
+    score.unlink()  # as if killed between the state's save and the checkpoint's score
+    assert (run(0.1)["steps"], [s for s, _ in losses(run_dir)][-1]) == (6, 6)
+    assert score.is_file()  # scored when it resumed, without training more
+    assert run(0.15)["steps"] == 9
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "step-000009"
+
+
+def test_wall_clock_budget_under_ddp_stops_every_process_at_one_step(setup, tmp_path):
+    """Two processes over gloo, a budget (6 ms) the first step spends: the clocks are gathered
+    without a hang, both processes stop after that step, and it is saved and scored once."""
+    args = ("train.max_steps=50", "train.save_every=100", "train.max_minutes=0.0001")
+    finish(launch(overrides(setup, tmp_path / "two", *args), processes=2))
+    assert [s for s, _ in losses(tmp_path / "two")] == [1]
+    saved = sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir())
+    assert saved == ["step-000001"]
+    assert (tmp_path / "two" / "checkpoints" / saved[0] / "score.json").is_file()
+
+
+def test_the_slowest_process_clock_decides():
+    """``spend`` with another process's clock at 90 s (a stand-in for the gathered clocks):
+    this process, at 30 s, stops too with a budget of one minute, and keeps the 90 s."""
+    from types import SimpleNamespace
+
+    from specdec.training.checkpoint import TrainState
+    from specdec.training.loop import spend
+
+    class Gloo:
+        device = torch.device("cpu")
+
+        def gather(self, mine):
+            return torch.cat([mine, torch.tensor([90.0], dtype=mine.dtype)])
+
+    recipe = SimpleNamespace(train=SimpleNamespace(max_minutes=1.0))
+    run = SimpleNamespace(state=TrainState(), recipe=recipe, accelerator=Gloo())
+    assert spend(run, 30.0) and run.state.seconds == 90.0
+    run.state.seconds, recipe.train.max_minutes = 0.0, 2.0
+    assert not spend(run, 30.0) and run.state.seconds == 90.0

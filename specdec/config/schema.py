@@ -234,6 +234,12 @@ class TrainConfig:
     warmup_steps: int = _opt(0, "Linear warm-up steps.", ge=0)
     schedule: Literal["cosine", "linear", "constant"] = _opt("cosine", "Decay after warm-up.")
     max_steps: int = _opt(1000, "Optimizer steps; 0 trains nothing (score only).", ge=0)
+    max_minutes: float | None = _opt(
+        None, "Wall-clock budget of the training steps in minutes (checkpoint scoring and "
+        "held-out metrics not counted): the run stops after the step that reaches it, then "
+        "saves and scores that step; max_steps still shapes the learning-rate schedule. null: "
+        "no budget.", gt=0,
+    )  # fmt: skip
     batch_size: int = _opt(8, "Sequences per device per micro-batch.", ge=1)
     grad_accum: int = _opt(1, "Micro-batches per optimizer step.", ge=1)
     length_group: int = _opt(

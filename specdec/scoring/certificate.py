@@ -25,8 +25,9 @@ forward of the model (no cache, no session), two ways; the reference is never sa
   its power grows with the draw length, not with repeated contexts: a decoder that favours the
   target's likely tokens (or its unlikely ones) shifts U down (up) at every position.
 
-The certificate fails when either test, Bonferroni-corrected, rejects at its level, or when a
-draw holds a token the target gives probability 0.
+The certificate fails when either test, Bonferroni-corrected, rejects at its level. Tokens the
+reference gives probability 0 are counted (``outside_support``), not failed on their own: at a
+top-k / top-p cut-off the cached forward and the plain one may round a boundary token apart.
 
 All draws of one prompt share the prompt's forward (:class:`PromptOnce`): the target's cache
 entries of the prompt are what a fresh prefill writes, so a draw costs the few forwards of its
@@ -173,7 +174,7 @@ def sampling_certificate(
         "tokens": len(u),
         "p_value": p_value,
         "alpha": alpha_level,
-        "passed": p_value >= alpha_level and outside == 0,
+        "passed": p_value >= alpha_level,
         "accept_rate": accepted / drafted if drafted else None,
         "outside_support": outside,
         "seconds": time.perf_counter() - start,

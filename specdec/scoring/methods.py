@@ -11,7 +11,10 @@ A method is specdec's decoder with a drafter, or transformers' own ``generate``:
 - ``prompt_lookup+PATH`` / ``prompt_lookup+draft_model:PATH``: prompt lookup where the context
   holds a match, the other drafter elsewhere;
 - ``hf_assisted:PATH``: transformers' assisted generation with that draft model;
-- ``hf_prompt_lookup``: transformers' prompt lookup decoding.
+- ``hf_prompt_lookup``: transformers' prompt lookup decoding;
+- ``SPEC@dynamic`` / ``SPEC@static``: a drafter of the above that branches, verifying a tree
+  each round (a dynamic tree sized by ``--tree-budget`` or the measured verify cost; a static
+  one calibrated on the warm-up prompts from the dynamic tree's accepted paths).
 
 Specs are parsed (:func:`parse`) before any model loads, so a method that does not exist, a
 missing path or a checkpoint of another target fails in one line first.
@@ -33,6 +36,7 @@ from specdec.errors import ConfigError, ModelError
 
 PLAIN, GENERATE = "plain", "generate"
 CHECKPOINT, HF_ASSISTED, HF_PROMPT_LOOKUP = "checkpoint:", "hf_assisted:", "hf_prompt_lookup"
+TREES = ("dynamic", "static")  # the ``@TREE`` suffixes
 DRAFT_MODEL, HYBRID = drafters.MODEL_PREFIX, drafters.HYBRID_PREFIX
 
 
@@ -49,6 +53,7 @@ class Method:
         hybrid: prompt lookup in front of the drafter.
         drafter: the loaded drafter (``drafter`` kind).
         assistant: the loaded draft model (``hf_assisted``).
+        tree: ``chain``, or the tree its drafter verifies (``dynamic``, ``static``).
     """
 
     name: str
@@ -59,6 +64,7 @@ class Method:
     drafter: object = None
     assistant: object = None
     meta: dict = field(default_factory=dict)
+    tree: str = "chain"
 
     @property
     def speculative(self) -> bool:
@@ -73,6 +79,17 @@ def parse(spec: str) -> Method:
         ConfigError: an unknown name, an empty path, or a path that does not exist.
     """
     spec = spec.strip()
+    base, at, tree = spec.rpartition("@")
+    if at and tree in TREES:
+        if base.rpartition("@")[2] in TREES:
+            raise ConfigError(f"method '{spec}': one tree suffix at most")
+        method = parse(base)
+        if method.kind != "drafter":
+            raise ConfigError(
+                f"method '{spec}': only a drafter of specdec's decoder verifies trees, not '{base}'"
+            )
+        method.name, method.tree = spec, tree
+        return method
     if spec == PLAIN:
         return Method(spec, "plain")
     if spec == GENERATE:
@@ -141,6 +158,11 @@ def load(method: Method, target, max_ngram: int | None = None) -> None:
                 target, drafters.config_for(method.source, max_ngram=max_ngram)
             )
         method.drafter = drafters.hybrid(drafter, max_ngram=max_ngram) if method.hybrid else drafter
+        if method.tree != "chain" and not method.drafter.branches:
+            raise ConfigError(
+                f"method '{method.name}': a '{method.drafter.name}' drafter drafts chains "
+                f"only; drop '@{method.tree}'"
+            )
     elif method.load == "assisted":
         from transformers import AutoModelForCausalLM
 

@@ -25,8 +25,9 @@ def acceptance(gens: Sequence[Generation], k: int) -> dict:
     Returns:
         ``{"tau", "alpha", "accept_rate_per_position", "conditional_accept_rate_per_position",
         "accepted_length_histogram", "rounds", "mean_drafted", "mean_depth"}``; position lists
-        have k entries. A tree's positions are depths: accept@i is the share of rounds whose
-        accepted path reaches depth i, among those whose tree does.
+        have k entries, None at a position no round drafted (a rate of nothing, not 0). A
+        tree's positions are depths: accept@i is the share of rounds whose accepted path
+        reaches depth i, among those whose tree does.
     """
     drafted = [d for g in gens for d in g.drafted]
     # the draft's depth: a chain's length, a tree's deepest path (positions are depths)
@@ -44,9 +45,9 @@ def acceptance(gens: Sequence[Generation], k: int) -> dict:
     return {
         "tau": emitted / rounds if rounds else 0.0,
         "alpha": _ratio(sum(accepted), sum(accepted) + rejections),
-        "accept_rate_per_position": [_ratio(p, o) for p, o in zip(passed, offered, strict=True)],
+        "accept_rate_per_position": [_share(p, o) for p, o in zip(passed, offered, strict=True)],
         "conditional_accept_rate_per_position": [
-            _ratio(p, r) for p, r in zip(passed, reached, strict=True)
+            _share(p, r) for p, r in zip(passed, reached, strict=True)
         ],
         "accepted_length_histogram": [sum(1 for a in accepted if a == n) for n in range(k + 1)],
         "rounds": rounds,
@@ -68,8 +69,9 @@ def expected_acceptance(gens: Sequence[Generation], k: int) -> dict:
     Returns:
         ``{"expected_alpha", "expected_accept_rate_per_position", "expected_tau"}``: alpha is
         the mean beta over all drafted positions; accept@i the mean of the products over the
-        rounds that drafted position i; tau ``1 + sum_i`` of the per-round products (the bonus
-        token plus the expected accepted length). None where no round was sampled.
+        rounds that drafted position i (None where none did); tau ``1 + sum_i`` of the
+        per-round products (the bonus token plus the expected accepted length). None where no
+        round was sampled.
     """
     rounds = [r for g in gens for r in g.overlaps]
     if not rounds:
@@ -85,7 +87,7 @@ def expected_acceptance(gens: Sequence[Generation], k: int) -> dict:
     per_position = []
     for i in range(k):
         reached = [p[i] for p in products if len(p) > i]
-        per_position.append(_ratio(sum(reached), len(reached)))
+        per_position.append(_share(sum(reached), len(reached)))
     return {
         "expected_alpha": _ratio(sum(betas), len(betas)),
         "expected_accept_rate_per_position": per_position,
@@ -153,3 +155,8 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
+
+
+def _share(num: float, den: float) -> float | None:
+    """A rate over ``den`` cases; None when there were none."""
+    return num / den if den else None

@@ -16,11 +16,8 @@ def table(result: dict) -> str:
         ("tree", _tree(result)),
         ("tau (tokens per target forward)", f"{result['tau']:.3f}"),
         ("alpha (per-token acceptance)", f"{result['alpha']:.3f}"),
-        ("accept@i", " ".join(f"{a:.2f}" for a in result["accept_rate_per_position"])),
-        (
-            "accept@i | accepted <i",
-            " ".join(f"{a:.2f}" for a in result["conditional_accept_rate_per_position"]),
-        ),
+        ("accept@i", rates(result["accept_rate_per_position"])),
+        ("accept@i | accepted <i", rates(result["conditional_accept_rate_per_position"])),
         ("accepted-length histogram", " ".join(map(str, result["accepted_length_histogram"]))),
         ("c (draft step / target step)", f"{result['c']:.3f}"),
         ("v (verify / target step)", f"{result['v']:.3f}"),
@@ -59,8 +56,8 @@ def table(result: dict) -> str:
             )  # fmt: skip
         elif kind == "sampling":
             rows.append(
-                ("certificate, T=1 test", f"{cert['samples']} samples, p = {cert['p_value']:.3g}"
-                 f" ({'passed' if cert['passed'] else 'FAILED'})")
+                ("certificate, T=1 test", f"{cert['samples']} draws of {cert['tokens']} tokens, "
+                 f"p = {cert['p_value']:.3g} ({'passed' if cert['passed'] else 'FAILED'})")
             )  # fmt: skip
     profile = result.get("cost_profile_ratio", {})
     rows.append(("verify cost, m tokens / 1", " ".join(f"{m}:{r:.2f}" for m, r in profile.items())))
@@ -81,10 +78,12 @@ def plot(result: dict, path: str | Path) -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     positions = range(1, len(result["accept_rate_per_position"]) + 1)
-    left.plot(positions, result["accept_rate_per_position"], "o-", label="P(accepted length >= i)")
+    left.plot(
+        positions, curve(result["accept_rate_per_position"]), "o-", label="P(accepted length >= i)"
+    )
     left.plot(
         positions,
-        result["conditional_accept_rate_per_position"],
+        curve(result["conditional_accept_rate_per_position"]),
         "s--",
         label="P(i accepted | < i accepted)",
     )
@@ -120,3 +119,13 @@ def _tree(result: dict) -> str:
     if tree["kind"] == "static":
         return f"static, {len(tree['choices'])} rank paths, {depth}"
     return f"dynamic, top-{tree['top_k']}, budget {tree['budget']}, {depth}"
+
+
+def rates(values: list) -> str:
+    """Rates by position for a table: a position never drafted (None) shows as '-'."""
+    return " ".join("-" if a is None else f"{a:.2f}" for a in values)
+
+
+def curve(values: list) -> list[float]:
+    """Rates by position to plot: a position never drafted (None) leaves a gap."""
+    return [float("nan") if a is None else a for a in values]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +30,13 @@ from specdec.scoring import metrics
 from specdec.scoring.command import load_prompts
 from specdec.scoring.run import (
     ScoreSettings,
+    calibrated_tree,
     cost_profile,
     divergence_margins,
     encode_prompt,
     environment,
     summarize,
+    tree_spec,
 )
 from specdec.target import eos_token_ids
 
@@ -73,6 +75,9 @@ class EvalJob:
     target_forward: str = "auto"
     draft_forward: str = "auto"
     draft_confidence: float = 0.0
+    tree_top_k: int = 4  # the dynamic trees of ``@dynamic`` / ``@static`` methods
+    tree_budget: int = 0  # nodes verified; 0: chosen per round from the measured cost
+    tree_max_nodes: int = 24
     bootstrap: int = 2000
     certify: int = 0  # samples of the sampling certificate per drafter method (0: greedy only)
     force: bool = False
@@ -90,6 +95,9 @@ class EvalJob:
             ("--max-new-tokens", self.max_new_tokens, 1),
             ("--bootstrap", self.bootstrap, 100),
             ("--certify", self.certify, 0),
+            ("--tree-top-k", self.tree_top_k, 1),
+            ("--tree-budget", self.tree_budget, 0),
+            ("--tree-max-nodes", self.tree_max_nodes, 1),
         ):
             if value < low:
                 raise ConfigError(f"{name} {value}: expected >= {low}")
@@ -112,7 +120,14 @@ class EvalJob:
             raise ConfigError(
                 f"--method given twice: {sorted(n for n in names if names.count(n) > 1)[0]}"
             )
-        return [mth.parse(name) for name in names]
+        methods = [mth.parse(name) for name in names]
+        static = next((m.name for m in methods if m.tree == "static"), None)
+        if static and self.warmup < 1:
+            raise ConfigError(
+                f"method '{static}': a static tree is calibrated on the warm-up prompts; "
+                "set --warmup 1 or more"
+            )
+        return methods
 
     @property
     def sources(self) -> list[str]:
@@ -156,7 +171,9 @@ def run_eval(job: EvalJob) -> dict:
         layers = tuple(m.drafter.required_target_layers) if m.drafter else ()
         if layers not in sessions:
             sessions[layers] = target_session(model, job.target_forward, layers)
-    profile = cost_profile(sessions[()], encoded[0], max(job.ks) + 1)
+    trees = any(m.tree != "chain" for m in methods)
+    longest = max(max(job.ks), job.tree_max_nodes if trees else 0) + 1
+    profile = cost_profile(sessions[()], encoded[0], longest)
     started = time.perf_counter()
     configs = []
     for temperature in job.temperatures:
@@ -166,11 +183,14 @@ def run_eval(job: EvalJob) -> dict:
                 top_k=job.top_k, top_p=job.top_p, seed=job.seed,
             )  # fmt: skip
             lengths = cheapest_verify_lengths(profile, k)
+            shapes = _configure_trees(job, methods, sessions, encoded, settings, profile, eos)
             gens = _decode_all(job, methods, sessions, encoded, settings, lengths, eos, model)
             kept = [r.get("category") or "all" for r in rows[job.warmup :]]
             summary = {
                 m.name: _summarize(m, gens, settings, kept, job, model, encoded) for m in methods
             }
+            for name, shape in shapes.items():
+                summary[name]["tree"] = shape
             configs.append({"k": k, "temperature": temperature, "methods": summary})
     results = {
         "target": target.name,
@@ -189,6 +209,38 @@ def run_eval(job: EvalJob) -> dict:
     results["certificates"] = certify(job, methods, target, encoded[job.warmup :], configs)
     results["seconds"] = time.perf_counter() - started
     return results
+
+
+def _configure_trees(job, methods, sessions, encoded, settings, profile, eos) -> dict:
+    """Give each tree method its tree for this k and temperature: dynamic (depth k, top-k
+    children, ``job.tree_budget`` nodes or the cost-chosen number), or static, calibrated from
+    that dynamic tree's accepted paths on the warm-up prompts. Returns each tree's description.
+    """
+    if all(m.tree == "chain" for m in methods):
+        return {}
+    costs = tuple(profile[m + 1] for m in range(job.tree_max_nodes + 1))
+    trees = replace(
+        settings, tree="dynamic", tree_top_k=job.tree_top_k, tree_budget=job.tree_budget,
+        tree_max_nodes=job.tree_max_nodes, draft_confidence=job.draft_confidence,
+    )  # fmt: skip
+    shapes = {}
+    for m in (m for m in methods if m.tree != "chain"):
+        tree = tree_spec(trees, costs)
+        m.drafter.configure(job.draft_forward, job.draft_confidence, tree)
+        if m.tree == "static":
+            session = sessions[tuple(m.drafter.required_target_layers)]
+            calibration = []
+            for i, ids in enumerate(encoded[: job.warmup]):
+                generator = torch.Generator(device=session.device).manual_seed(settings.seed + i)
+                calibration.append(generate(
+                    session, ids, drafter=m.drafter, k=settings.k,
+                    max_new_tokens=settings.max_new_tokens, params=settings.params,
+                    eos_token_ids=eos, generator=generator,
+                ))  # fmt: skip
+            tree = calibrated_tree(calibration, costs)
+            m.drafter.configure(job.draft_forward, job.draft_confidence, tree)
+        shapes[m.name] = tree.describe()
+    return shapes
 
 
 def _decode_all(job, methods, sessions, encoded, settings, lengths, eos, model) -> dict:
@@ -210,7 +262,8 @@ def _decode_all(job, methods, sessions, encoded, settings, lengths, eos, model) 
                 g = generate(
                     session, ids, drafter=m.drafter, k=settings.k,
                     max_new_tokens=settings.max_new_tokens, params=params, eos_token_ids=eos,
-                    generator=generator, verify_lengths=lengths if m.drafter else None,
+                    generator=generator,
+                    verify_lengths=lengths if m.drafter and m.tree == "chain" else None,
                 )  # fmt: skip
             if i >= job.warmup:
                 gens[m.name].append(g)
@@ -224,7 +277,7 @@ def _summarize(m, gens, settings, categories, job, model, encoded) -> dict:
     """One method's numbers in one configuration, overall and per category."""
     own, plain, hf = gens[m.name], gens[mth.PLAIN], gens[mth.GENERATE]
     if m.kind == "drafter":
-        out = summarize(own, plain, settings)
+        out = summarize(own, plain, replace(settings, tree=m.tree))
         if settings.temperature == 0:
             out.update(divergence_margins(model, encoded[job.warmup :], plain, out["divergences"]))
     else:

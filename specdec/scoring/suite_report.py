@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from specdec.scoring.report import curve
+
 PLOTS = ("acceptance.png", "categories.png", "speedup_vs_k.png", "accepted_lengths.png")
 
 
@@ -36,6 +38,13 @@ def _fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _tree(r: dict) -> str:
+    tree, size = r["tree"], f"{r.get('mean_drafted') or 0:.1f} nodes"
+    if tree["kind"] == "static":
+        return f"static, {len(tree['choices'])} paths {tree['choices']}, {size}"
+    return f"dynamic, top-{tree['top_k']}, budget {tree['budget']}, {size}"
+
+
 def markdown(results: dict, plots: list[str]) -> list[str]:
     env, p = results["environment"], results["prompts"]
     lines = [
@@ -65,6 +74,10 @@ def markdown(results: dict, plots: list[str]) -> list[str]:
             f"{_ci(plain, 'speedup_vs_generate')} the speed of transformers' `generate()`."
         )
         lines += ["", *_table(c)]
+        trees = {name: r for name, r in c["methods"].items() if r.get("tree")}
+        if trees:
+            lines += ["", "Trees verified (nodes a round, on average):", ""]
+            lines += [f"- `{name}`: {_tree(r)}" for name, r in trees.items()]
         lines += [
             "",
             "Per category (tau / speedup over plain; an interval where the category has two "
@@ -89,8 +102,11 @@ def markdown(results: dict, plots: list[str]) -> list[str]:
                 )
             sampling = "not run (--certify N)"
             if s:
-                sampling = f"{s['samples']} samples, chi2 {s['statistic']:.1f} / {s['dof']} "
-                sampling += f"dof, p = {s['p_value']:.3g}"
+                sampling = (
+                    f"{s['samples']} draws, {s['tokens']} tokens: chi-square per context p = "
+                    f"{s['context_p_value']:.3g}, PIT p = {s['pit']['p_value']:.3g}; "
+                    f"p = {s['p_value']:.3g}"
+                )
             lines.append(f"| {name} | {greedy} | {sampling} | {cert['passed']} |")
     lines += ["", *[f"![{Path(p).stem}]({p})" for p in plots]]
     return lines
@@ -192,9 +208,10 @@ def _plots(results: dict, out: Path) -> list[Path]:
         for m in drafting:
             r = c["methods"][m]
             pos = range(1, c["k"] + 1)
-            (line,) = ax.plot(pos, r["accept_rate_per_position"], "o-", label=m)
+            (line,) = ax.plot(pos, curve(r["accept_rate_per_position"]), "o-", label=m)
             if r.get("expected_accept_rate_per_position"):
-                ax.plot(pos, r["expected_accept_rate_per_position"], ":", color=line.get_color())
+                expected = curve(r["expected_accept_rate_per_position"])
+                ax.plot(pos, expected, ":", color=line.get_color())
         ax.set(title=_config_name(c), xlabel="draft position i", ylabel="P(accepted >= i)")
         ax.set_ylim(0, 1.05)
     axes[0][0].legend(fontsize=7)

@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 # keys that may change between a run and its resumption without making it another run
 # (run.output_dir: a run directory may be moved or copied and resumed where it lies)
 RESUMABLE_CHANGES = (
-    "train.max_steps", "train.trackers", "train.log_every", "train.barrier_minutes", "eval.",
-    "run.output_dir",
+    "train.max_steps", "train.max_minutes", "train.trackers", "train.log_every",
+    "train.barrier_minutes", "eval.", "run.output_dir",
 )  # fmt: skip
 
 
@@ -40,6 +40,7 @@ class TrainState:
     step: int = 0
     micro_batches: int = 0  # global micro-batches consumed: the data position
     tokens: int = 0  # input tokens trained on, all processes
+    seconds: float = 0.0  # wall-clock spent training (train.max_minutes), the slowest process's
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -53,7 +53,8 @@ def score_checkpoint(model, drafter, target, recipe: Recipe, step: int) -> dict:
         "eval/score_seconds": result["score_seconds"],
     }
     for i, rate in enumerate(result["accept_rate_per_position"], start=1):
-        metrics[f"eval/accept@{i}"] = rate
+        if rate is not None:  # a position never drafted has no rate
+            metrics[f"eval/accept@{i}"] = rate
     return metrics
 
 

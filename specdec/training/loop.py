@@ -235,26 +235,31 @@ def train(recipe: Recipe) -> dict:
         disable=not accelerator.is_main_process,
         desc="train",
     )
-    if state.step > 0 and _save_due(cfg, state.step) and not _scored(recipe.run_dir, state.step):
+    out_of_time = spend(run, 0.0)  # a resumed run may have spent its budget
+    saved = _save_due(cfg, state.step) or out_of_time
+    if state.step > 0 and saved and not _scored(recipe.run_dir, state.step):
         score_saved(run, log)  # the run was killed between its state and its checkpoint's score
     elif state.step > 0 and accelerator.is_main_process:
         refresh_best(recipe.run_dir)  # or between a score and best
     window_tokens, window_start = 0, time.perf_counter()
-    while state.step < cfg.max_steps:
+    while state.step < cfg.max_steps and not out_of_time:
+        tick = clock()
         if run.pool is not None and run.pool.due(state.step):
             drafter, _ = run.decoding()
             run.pool.refresh(
                 run.target, drafter, run.dataset, run.train_rows, state.step, accelerator
             )
         sums, grad_norm, tokens = optimizer_step(run)
+        out_of_time = spend(run, clock() - tick)
         window_tokens += tokens
         bar.update(1)
-        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps or out_of_time:
             metrics = {k: float(accelerator.reduce(v, "sum")) for k, v in sums.items()}
             metrics |= {
                 "train/lr": run.scheduler.get_last_lr()[0],
                 "train/tokens_per_second": window_tokens / (time.perf_counter() - window_start),
                 "train/epoch": state.micro_batches * cfg.batch_size / len(run.train_rows),
+                "train/seconds": state.seconds,
             }
             if grad_norm is not None:
                 metrics["train/grad_norm"] = float(grad_norm)
@@ -268,7 +273,7 @@ def train(recipe: Recipe) -> dict:
                 loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/acc@1']:.2f}"
             )
             window_tokens, window_start = 0, time.perf_counter()
-        if _save_due(cfg, state.step):
+        if _save_due(cfg, state.step) or out_of_time:
             save_and_score(run, log)
     bar.close()
     log.close()
@@ -277,6 +282,7 @@ def train(recipe: Recipe) -> dict:
     return {
         "run_dir": str(recipe.run_dir),
         "steps": state.step,
+        "seconds": state.seconds,
         "data": run.data_report,
         "best": json.loads(best.read_text()) if best.exists() else None,
         "scores": checkpoint_table(recipe.run_dir),
@@ -360,6 +366,22 @@ def score_saved(run: Run, log: MetricsLog) -> None:
         log.write(run.state.step, metrics)
         model.train()
     accelerator.wait_for_everyone()
+
+
+#: the training clock (a test may replace it)
+clock = time.perf_counter
+
+
+def spend(run: Run, seconds: float) -> bool:
+    """Add ``seconds`` of training to the run's clock; whether ``train.max_minutes`` is spent.
+    Under several processes the slowest one's clock counts, so all stop at the same step."""
+    state, budget = run.state, run.recipe.train.max_minutes
+    state.seconds += seconds
+    if budget is None:
+        return False
+    clocks = torch.tensor([state.seconds], dtype=torch.float64, device=run.accelerator.device)
+    state.seconds = float(run.accelerator.gather(clocks).max())
+    return state.seconds >= 60 * budget
 
 
 def _save_due(cfg, step: int) -> bool:
