@@ -133,6 +133,8 @@ def test_report_and_plots_are_written(results):
     for name in result["methods"]:
         assert f"| {name} |" in text
     assert "Per category" in text and "the speed of transformers' `generate()`" in text
+    ratio = result["verify_cost_ratio"]
+    assert "verify cost v(m)" in text and f"2:{ratio[2]:.2f}" in text
     for p in paths[1:]:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
 

@@ -65,6 +65,9 @@ def markdown(results: dict, plots: list[str]) -> list[str]:
         f"{env['dtype']}, torch {env['torch']}, transformers {env['transformers']}, "
         f"specdec {env['specdec']}",
         f"- wall time: {results.get('seconds', 0):.0f} s",
+        "- the target's verify cost v(m), a forward over m new tokens in one-token forwards "
+        "(what a chain of k pays at m = k + 1, a tree of n nodes at m = n + 1): "
+        + " ".join(f"{m}:{r:.2f}" for m, r in results.get("verify_cost_ratio", {}).items()),
     ]
     for c in results["configs"]:
         lines += ["", f"## {_config_name(c)}", ""]
