@@ -31,7 +31,7 @@ top-k / top-p cut-off the cached forward and the plain one may round a boundary 
 
 All draws of one prompt share the prompt's forward (:class:`PromptOnce`): the target's cache
 entries of the prompt are what a fresh prefill writes, so a draw costs the few forwards of its
-three tokens, not a prefill; the draws are exactly those of fresh sessions (tested).
+own tokens, not a prefill; the draws are exactly those of fresh sessions (tested).
 """
 
 from __future__ import annotations
