@@ -90,6 +90,8 @@ def main() -> None:
 
 def table(out: Path, names: list[str], own: list[str]) -> None:
     """The markdown table of every run: steps and seconds trained, then the measurements."""
+    from specdec.scoring.report import rates
+
     path = out / "eval" / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {"configs": [{"methods": {}}]}
     (config,) = results["configs"]
@@ -102,9 +104,7 @@ def table(out: Path, names: list[str], own: list[str]) -> None:
             measured = [(m, r) for m, r in config["methods"].items() if m.startswith(prefix)]
         for method, r in measured:
             shape = "tree" if method.endswith("@dynamic") else "chain"
-            accept = " ".join(
-                "-" if a is None else f"{a:.2f}" for a in r["accept_rate_per_position"]
-            )
+            accept = rates(r["accept_rate_per_position"])
             rows.append(
                 f"| {name} | {shape} | {_trained(out / name)} | {r['tau']:.3f} | {accept} | "
                 f"{r['c']:.3f} | {r['v']:.3f} | {r['speedup']:.3f}x | {r['bound_speedup']:.3f}x "

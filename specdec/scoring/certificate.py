@@ -289,13 +289,12 @@ def exact_probabilities(
     """``[N, V]`` float64: the target's processed next-token law after each context, from a
     plain forward of the model (no cache, no session) over batches of equal-length contexts."""
     device = next(model.parameters()).device
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in signature(model.forward).parameters else {}
     rows = [None] * len(contexts)
     for length in sorted({len(c) for c in contexts}):
         same = [i for i, c in enumerate(contexts) if len(c) == length]
         for index in (same[j : j + batch] for j in range(0, len(same), batch)):
             ids = torch.tensor([list(contexts[i]) for i in index], device=device)
-            logits = model(input_ids=ids, **keep).logits[:, -1]  # [n, V]
+            logits = _last_logits(model, ids, 1)[:, 0]  # [n, V]
             for i, p in zip(index, probabilities(logits, params).double().cpu(), strict=True):
                 rows[i] = p
     return torch.stack(rows)
@@ -312,17 +311,21 @@ def pit_of_draws(model, prompt: list[int], draws: list[tuple], params, generator
     """
     device = next(model.parameters()).device
     keep = len(draws[0]) + 1  # logits after the prompt's last token and after each drawn token
-    params_of = signature(model.forward).parameters
-    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in params_of else {}
     pits, outside = [], 0
     for i in range(0, len(draws), batch):
         ids = torch.tensor([list(prompt) + list(d) for d in draws[i : i + batch]], device=device)
-        logits = model(input_ids=ids, **kwargs).logits[:, -keep:-1]  # [b, T, V]
+        logits = _last_logits(model, ids, keep)[:, :-1]  # [b, T, V]
         p = probabilities(logits.flatten(0, 1), params).double().cpu()
         tokens = ids[:, 1 - keep :].flatten().cpu()
         outside += int((p.gather(-1, tokens[:, None]) == 0).sum())
         pits.append(pit_values(p, tokens, generator))
     return torch.cat(pits), outside
+
+
+def _last_logits(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, n, V]``: the logits of a plain forward (no cache) at the last ``n`` positions."""
+    keep = {"logits_to_keep": n} if "logits_to_keep" in signature(model.forward).parameters else {}
+    return model(input_ids=ids, **keep).logits[:, -n:]
 
 
 def pit_values(p: torch.Tensor, tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
