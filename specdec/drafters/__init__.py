@@ -50,10 +50,15 @@ def config_classes() -> dict[str, type]:
     return {name: cls.config_class for name, cls in REGISTRY.items()}
 
 
-def layout_formats() -> dict[str, type[Drafter]]:
-    """Serving layouts that families write themselves (``layouts``: format -> weights file),
-    by format name -> the family's class."""
-    return {fmt: cls for cls in REGISTRY.values() for fmt in getattr(cls, "layouts", {})}
+def layout_formats() -> dict[str, list[str]]:
+    """Serving layouts that families write themselves (``layouts``: format -> weights file):
+    format name -> the families that have it (a format such as ``speculators`` holds several
+    families, each its own way)."""
+    formats: dict[str, list[str]] = {}
+    for name, cls in REGISTRY.items():
+        for fmt in getattr(cls, "layouts", {}):
+            formats.setdefault(fmt, []).append(name)
+    return formats
 
 
 def is_trainable(name: str) -> bool:

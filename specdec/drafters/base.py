@@ -66,6 +66,8 @@ class Drafter:
     tree = None
     #: its proposals are verified by a model of its own (:meth:`verifier`), not the target
     adapts_target: bool = False
+    #: the serving layouts it exports (format -> weights file; :meth:`export_layout`)
+    layouts: dict[str, str] = {}
 
     def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
         """Apply the decoding knobs (``eval.draft_forward``, ``eval.draft_confidence``, the
@@ -139,6 +141,11 @@ class Drafter:
         from specdec.errors import ModelError
 
         raise ModelError(f"a '{self.name}' drafter has no '{fmt}' layout")
+
+    @staticmethod
+    def layout_keys(fmt: str, config: dict) -> set[str]:
+        """The weights a layout's loader reads, from its ``config.json``."""
+        return set()
 
 
 @dataclass

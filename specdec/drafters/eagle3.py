@@ -33,8 +33,7 @@ from specdec.config.validation import Invalid
 from specdec.decoding.compact import _linear_transposed
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
-from specdec.drafters import eagle3_layouts as layouts
-from specdec.drafters import vocabulary
+from specdec.drafters import eagle3_layouts, vocabulary
 from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
 from specdec.drafters.checkpoint import read_head, write_head
 from specdec.drafters.eagle3_model import (
@@ -111,6 +110,8 @@ class Eagle3Drafter(TrainableDrafter):
 
     name = "eagle3"
     branches = True
+    #: serving layouts (format -> weights file), see :mod:`specdec.drafters.eagle3_layouts`
+    layouts = {fmt: "model.safetensors" for fmt in eagle3_layouts.FORMATS}
     config_class = Eagle3Config
     shift = 1
 
@@ -200,23 +201,28 @@ class Eagle3Drafter(TrainableDrafter):
 
     def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
         """``(config.json, weights)`` of the head in a serving engine's layout."""
-        if fmt not in layouts.FORMATS:
+        if fmt not in eagle3_layouts.FORMATS:
             return super().export_layout(fmt, target)
         if fmt == "sglang" and self.model.cfg["num_layers"] > 1:
             raise ModelError("the sglang layout holds one-layer heads (drafter.num_layers: 1)")
-        config = layouts.engine_config(self, fmt, target)
-        return config, layouts.engine_state(self.model, fmt, self.draft_ids, self.vocab_size)
+        config = eagle3_layouts.engine_config(self, fmt, target)
+        return config, eagle3_layouts.engine_state(self.model, fmt, self.draft_ids, self.vocab_size)
+
+    @staticmethod
+    def layout_keys(fmt: str, config: dict) -> set[str]:
+        """The weights the layout's loader reads, from its ``config.json``."""
+        return eagle3_layouts.expected_keys(fmt, config)
 
     @classmethod
     def from_layout(cls, fmt: str, config: dict, state: dict, target) -> Eagle3Drafter:
         """A head back from an export (to verify it)."""
         proposals = config.get("speculators_config", {}).get("proposal_methods") or [{}]
-        head_cfg, layers = layouts.head_config(
+        head_cfg, layers = eagle3_layouts.head_config(
             config, fmt, proposals[0].get("speculative_tokens", 1)
         )
         model = new_model(target, head_cfg)
         try:
-            model.load_state_dict(layouts.specdec_state(state, fmt, model), strict=True)
+            model.load_state_dict(eagle3_layouts.specdec_state(state, fmt, model), strict=True)
         except RuntimeError as err:
             raise ModelError(f"{fmt} export: weights do not fit its config: {err}") from None
         draft_ids = vocabulary.from_d2t(state["d2t"])

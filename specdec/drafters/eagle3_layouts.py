@@ -32,6 +32,36 @@ LAYER_NAMES = {
     "down_proj": "mlp.down_proj",
 }
 FORMATS = ("speculators", "sglang")
+#: a layer's weights in the engines' names (biases where the layer has them)
+LAYER_KEYS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+BIAS_KEYS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def expected_keys(fmt: str, config: dict) -> set[str]:
+    """The weights an engine reads from an export with this ``config.json`` (no embedding:
+    engines take the target's)."""
+    if fmt == "sglang":
+        layer, prefixes = config, ["midlayer."]
+    else:
+        layer = config["transformer_layer_config"]
+        prefixes = [f"layers.{i}." for i in range(layer["num_hidden_layers"])]
+    keys = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    per_layer = LAYER_KEYS + (BIAS_KEYS if layer["attention_bias"] else ())
+    for i, prefix in enumerate(prefixes):
+        keys |= {prefix + k for k in per_layer}
+        if i == 0:
+            keys.add(prefix + "hidden_norm.weight")
+    return keys
 
 
 def layer_prefix(fmt: str, index: int) -> str:

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from specdec.config.schema import DrafterConfig, option
+from specdec.config.validation import Invalid
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
-from specdec.drafters import vocabulary
+from specdec.drafters import mtp_layouts, vocabulary
 from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
 from specdec.drafters.checkpoint import check_head_fits, read_head, write_head
 from specdec.drafters.eagle3_model import head_config
@@ -54,6 +55,17 @@ class MTPConfig(DrafterConfig):
         "normed hidden state through, the layer adds nothing yet, the norms are the target's "
         "final norm.",
     )  # fmt: skip
+    init_from: str | None = option(
+        None, "Start the modules from MTP layers a checkpoint already has (to fine-tune "
+        "them): `target`, the target checkpoint's own (MiMo's model.mtp_layers.*, Qwen3-Next's "
+        "mtp.*), or a directory (a speculators MTP export, or a model checkpoint with such "
+        "layers); they must number num_modules and fit the target's width. null: fresh "
+        "modules.",
+    )  # fmt: skip
+
+    def check(self) -> None:
+        if self.init_from not in (None, "target") and not Path(self.init_from).is_dir():
+            raise Invalid("drafter.init_from", f"{self.init_from}: no such directory")
 
 
 def new_model(target, cfg: dict) -> MTPModel:
@@ -79,6 +91,8 @@ class MTPDrafter(TrainableDrafter):
     name = "mtp"
     config_class = MTPConfig
     shift = 1
+    #: serving layouts (format -> weights file), see :mod:`specdec.drafters.mtp_layouts`
+    layouts = {"speculators": "model.safetensors"}
 
     def __init__(self, model: MTPModel, target_layer: int, draft_ids, vocab_size: int, decay=0.8):
         self.model = model
@@ -100,9 +114,14 @@ class MTPDrafter(TrainableDrafter):
         size = target.vocab_size if draft_ids is None else len(draft_ids)
         head_cfg = head_config(target, 1, 1, size, cfg.num_modules)
         head_cfg |= {"num_modules": cfg.num_modules, "own_head": draft_ids is not None}
+        native = _native_modules(cfg, target) if cfg.init_from else None
+        if native:  # the layers' attention has biases where the checkpoint's does
+            head_cfg["attention_bias"] = "layer.q_proj.bias" in native[0]
         with torch.device("cpu"):
             model = new_model(target, head_cfg)
         _init(model, target, draft_ids, cfg.init_from_target)
+        if native:
+            _load_modules(model, native, cfg.init_from)
         model.to(target.device)
         layer = target.resolve_layers([LAST])[0]
         return cls(model, layer, draft_ids, target.vocab_size, cfg.step_weight_decay)
@@ -140,6 +159,38 @@ class MTPDrafter(TrainableDrafter):
         return write_head(
             path, self, target_name=target_name, extra=extra, meta=meta, config=config
         )
+
+    # ----------------------------------------------------------------------- serving layouts
+
+    def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
+        """``(config.json, weights)`` of the modules in a serving engine's layout."""
+        if fmt not in self.layouts:
+            return super().export_layout(fmt, target)
+        return mtp_layouts.export(self, fmt, target)
+
+    @staticmethod
+    def layout_keys(fmt: str, config: dict) -> set[str]:
+        """The weights the layout's loader reads, from its ``config.json``."""
+        return mtp_layouts.expected_keys(fmt, config)
+
+    @classmethod
+    def from_layout(cls, fmt: str, config: dict, state: dict, target) -> MTPDrafter:
+        """One module back from an export (to verify it).
+
+        Raises:
+            ModelError: the export's sizes do not fit the target, or its weights its config.
+        """
+        layer = config["transformer_layer_config"]
+        head_cfg = head_config(target, 1, 1, target.vocab_size, 1)
+        head_cfg |= {"num_modules": 1, "own_head": False, "attention_bias": layer["attention_bias"]}
+        mtp_layouts.check_layer_config(config, head_cfg)
+        with torch.device("cpu"):
+            model = new_model(target, head_cfg)
+        prefix, names = mtp_layouts.SPECULATORS_PREFIX, mtp_layouts.MODULE_NAMES
+        module = mtp_layouts.from_layout(state, prefix, names, emb_first=True)
+        _load_modules(model, [module], f"{fmt} export")
+        layer_index = target.resolve_layers([LAST])[0]
+        return cls(model.to(target.device), layer_index, None, target.vocab_size)
 
     # ------------------------------------------------------------------------- training face
 
@@ -231,6 +282,48 @@ class MTPDrafter(TrainableDrafter):
     @property
     def draft_seconds(self) -> float:
         return self.seconds
+
+
+def _native_modules(cfg: MTPConfig, target) -> list[dict]:
+    """The MTP layers ``drafter.init_from`` names, under specdec's names.
+
+    Raises:
+        ModelError: the target was not loaded from a directory, the checkpoint has no MTP
+            layers, or not ``num_modules`` of them.
+    """
+    where = cfg.init_from
+    if where == "target":
+        where = getattr(target.model.config, "_name_or_path", "") or ""
+        if not where or not Path(where).is_dir():
+            raise ModelError(
+                f"drafter.init_from: target: {target.name} was not loaded from a local "
+                "directory whose MTP layers could be read; name the directory instead"
+            )
+    layout, modules = mtp_layouts.read_native(where)
+    if len(modules) != cfg.num_modules:
+        raise ModelError(
+            f"drafter.init_from: {where} holds {len(modules)} MTP module(s) ({layout} layout); "
+            f"drafter.num_modules is {cfg.num_modules}"
+        )
+    return modules
+
+
+@torch.no_grad()
+def _load_modules(model: MTPModel, modules: list[dict], source: str) -> None:
+    """Module k's weights from ``modules[k]`` (specdec's names), every weight exactly once.
+
+    Raises:
+        ModelError: weights missing, left over (a layer specdec's module has no place for,
+            such as Qwen3's q_norm) or of another shape.
+    """
+    for k, (module, state) in enumerate(zip(model.depths, modules, strict=True)):
+        try:
+            module.load_state_dict(
+                {n: t.to(module.eh_proj.weight.dtype) for n, t in state.items()}, strict=True
+            )
+        except RuntimeError as err:
+            detail = " ".join(str(err).split())[:300]
+            raise ModelError(f"{source}: MTP module {k} does not fit specdec's: {detail}") from None
 
 
 @torch.no_grad()

@@ -1,7 +1,9 @@
 """Exporters of trained drafters, by format name.
 
-Each format lives in its own module, writes one directory and verifies it (reload, logits, key
-set) before moving it into place. Exporters never import accelerate.
+``hf`` lives in its own module; the serving engines' layouts (``speculators``, ``sglang``,
+``medusa``, ``vllm_medusa``) are declared by the drafter families and written by
+:mod:`specdec.export.layout`. Each export writes one directory and verifies it (reload,
+logits, key set) before moving it into place. Exporters never import accelerate.
 """
 
 from __future__ import annotations
@@ -14,14 +16,10 @@ from pathlib import Path
 from specdec.errors import ConfigError
 from specdec.export.family import family_exporters
 from specdec.export.hf import export_hf
-from specdec.export.sglang import export_sglang
-from specdec.export.speculators import export_speculators
 
 #: format name -> exporter(checkpoint_dir, out_dir, target) -> out_dir
 EXPORTERS: dict[str, Callable[..., Path]] = {
     "hf": export_hf,
-    "speculators": export_speculators,
-    "sglang": export_sglang,
     **family_exporters(),
 }
 
@@ -46,6 +44,4 @@ __all__ = [
     "EXPORTERS",
     "export",
     "export_hf",
-    "export_sglang",
-    "export_speculators",
 ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,14 +26,10 @@ ATOL, RTOL = 1e-5, 1e-4
 
 
 def export_layout(
-    fmt: str,
-    checkpoint_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    target,
-    expected_keys: Callable[[dict], set[str]],
-    weights_file: str = WEIGHTS_FILE,
+    fmt: str, checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, target
 ) -> Path:
-    """Write and verify the ``fmt`` export of a checkpoint; returns ``out_dir``.
+    """Write and verify the ``fmt`` export of a checkpoint; returns ``out_dir``. The
+    checkpoint's family gives the config, the weights, the weights file and the key set.
 
     Raises:
         ModelError: the family has no such layout, or verification failed.
@@ -43,7 +38,9 @@ def export_layout(
 
     drafter = drafters.load(checkpoint_dir, target)
     config, state = drafter.export_layout(fmt, target)
-    want = expected_keys(config)
+    family = type(drafter)
+    weights_file = family.layouts.get(fmt, WEIGHTS_FILE)
+    want = family.layout_keys(fmt, config)
     if set(state) != want:
         raise ModelError(
             f"{fmt} export of {checkpoint_dir}: weights {sorted(set(state) ^ want)[:6]} are not "
