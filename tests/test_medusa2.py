@@ -131,6 +131,46 @@ def test_checkpoint_round_trip_in_peft_layout(target, tmp_path):
     assert loaded.steps == 4 and loaded.backbone_weight == drafter.backbone_weight
 
 
+@pytest.mark.parametrize("fmt", ["medusa", "vllm_medusa"])
+def test_export_puts_the_adapted_backbone_beside_the_heads(target, tmp_path, fmt):
+    """The export's heads on its own base model's last hidden state give the checkpoint's head
+    logits, computed here by Medusa's formula from the exported tensors; the base model is the
+    adapted backbone, not the target."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.export import export
+
+    drafter = medusa2(target, adapter_scale=0.5)
+    with torch.no_grad():
+        for p in drafter.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = drafter.save(tmp_path / "ckpt", target_name=target.name)
+    out = export(fmt, path, tmp_path / "export", target)
+    config = json.loads((out / "config.json").read_text())
+    if fmt == "medusa":
+        assert config["base_model_name_or_path"] == str((out / "base_model").resolve())
+    base = AutoModelForCausalLM.from_pretrained(out / "base_model").eval()
+    ids = torch.randint(0, target.vocab_size, (1, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out_base = base(ids, output_hidden_states=True)
+        torch.testing.assert_close(out_base.logits, drafter.backbone(input_ids=ids).logits)
+        assert (out_base.logits - target.model(ids).logits).abs().max() > 1e-2
+        want = drafter.module(ids, None)[1:]  # the heads' steps of the checkpoint
+    state = load_file(
+        out / ("medusa_lm_head.safetensors" if fmt == "medusa" else "model.safetensors")
+    )
+    h = out_base.hidden_states[-1]
+    for head in range(3):
+        if fmt == "medusa":
+            w, b, lm = (state[f"{head}.0.linear.weight"], state[f"{head}.0.linear.bias"],
+                        state[f"{head}.1.weight"])  # fmt: skip
+        else:
+            w, b = state[f"blocks.{head}.layers.0.weight"], state[f"blocks.{head}.layers.0.bias"]
+            lm = state["lm_heads.0.weight"]
+        x = h + torch.nn.functional.silu(h @ w.T + b)
+        torch.testing.assert_close(x @ lm.T, want[head], atol=1e-4, rtol=1e-4)
+
+
 def test_trains_adapters_and_heads_only_and_scores_against_the_adapted_backbone(
     files, tmp_path, loaded_targets
 ):
@@ -176,15 +216,15 @@ def test_eval_refuses_a_method_verified_by_its_own_model(capsys, target, tmp_pat
     assert f"method '{ckpt}': its proposals are verified by a model of its own" in err
 
 
-def test_reduced_vocabulary_and_export_refused(target, tmp_path):
+def test_reduced_vocabulary_and_other_layouts_refused(target, tmp_path):
     from specdec.errors import ConfigError, ModelError
     from specdec.export import export
 
     with pytest.raises(ConfigError, match="draft_vocab_size=100: Medusa-2 .* set it to null"):
         load_recipe(RECIPE, ["drafter.draft_vocab_size=100"])
     ckpt = medusa2(target).save(tmp_path / "ckpt", target_name=target.name)
-    with pytest.raises(ModelError, match="Medusa-2 heads read their adapted backbone"):
-        export("vllm_medusa", ckpt, tmp_path / "out", target)
+    with pytest.raises(ModelError, match="'medusa' drafter has no 'speculators' layout"):
+        export("speculators", ckpt, tmp_path / "out", target)
     assert not (tmp_path / "out").exists()
 
 

@@ -3,11 +3,13 @@ halves swapped, reload), and starting from MTP layers a checkpoint already has (
 Qwen3-Next's, a speculators export), with the names written here by hand from those formats."""
 
 import json
+from pathlib import Path
 
 import pytest
 import tiny_models
 import torch
 from safetensors.torch import load_file, save_file
+from test_cli_errors import error_line
 from test_mtp import modules
 
 from specdec import drafters
@@ -175,3 +177,10 @@ def test_init_from_refuses_layers_it_cannot_hold(target, tmp_path):
         drafters.build(target, MTPConfig(num_modules=1, init_from=str(plain)))
     with pytest.raises(Invalid, match="drafter.init_from: .*nowhere: no such directory"):
         MTPConfig(init_from=str(tmp_path / "nowhere")).check()
+
+
+def test_init_from_a_directory_that_does_not_exist(capsys, tmp_path):
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "debug" / "tiny_mtp.yaml"
+    nowhere = tmp_path / "nowhere"
+    err = error_line(capsys, ["check", str(recipe), "--set", f"drafter.init_from={nowhere}"])
+    assert err == f"specdec: error: --set drafter.init_from={nowhere}: {nowhere}: no such directory"

@@ -147,6 +147,11 @@ class Drafter:
         """The weights a layout's loader reads, from its ``config.json``."""
         return set()
 
+    def export_extras(self, fmt: str, target, directory: Path, final: Path) -> dict:
+        """Write (and verify) files a layout needs beside its weights into ``directory``,
+        which becomes ``final``; returns entries for its ``config.json``. Default: none."""
+        return {}
+
 
 @dataclass
 class Teacher:
@@ -182,6 +187,12 @@ class TrainableDrafter(Drafter):
         """The trainable module: ``module(input_ids, attention_mask, features)`` returns
         ``[S, B, T, D]`` logits."""
         raise NotImplementedError
+
+    @property
+    def layout_module(self) -> torch.nn.Module:
+        """The module a serving layout holds, compared with its reload by an export (the
+        trainable module, unless it carries more than the layout: Medusa-2's adapters)."""
+        return self.module
 
     def step_weights(self) -> torch.Tensor:
         """``[S]`` loss weight of each step."""

@@ -52,6 +52,8 @@ from specdec.errors import ModelError
 
 #: the target layer the heads read: the last one, after the final norm (the LM head's input)
 LAST = -1
+#: Medusa-2 exports: the adapted backbone (adapters merged), beside the heads
+BASE_MODEL_DIR = "base_model"
 
 
 @dataclass
@@ -286,17 +288,28 @@ class MedusaDrafter(TrainableDrafter):
     # ----------------------------------------------------------------------- serving layouts
 
     def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
-        """``(config.json, weights)`` of the heads in a serving engine's layout."""
+        """``(config.json, weights)`` of the heads in a serving engine's layout (Medusa-2's
+        adapted backbone comes beside them, :meth:`export_extras`)."""
         from specdec.drafters import medusa_layouts
 
         if fmt not in self.layouts:
             return super().export_layout(fmt, target)
-        if self.backbone is not None:
-            raise ModelError(
-                f"the {fmt} layout holds heads for the model they read; Medusa-2 heads read "
-                "their adapted backbone, which specdec does not export yet"
-            )
         return medusa_layouts.export(self, fmt, target)
+
+    def export_extras(self, fmt: str, target, directory: Path, final: Path) -> dict:
+        """Medusa-2: the model its heads read and its proposals are verified by, the target
+        with the adapters merged, as a transformers checkpoint in ``base_model/`` (verified by
+        a reload with equal logits); the Medusa layout's ``base_model_name_or_path`` names it."""
+        if self.backbone is None:
+            return {}
+        from specdec.drafters.medusa_adapted import save_merged
+
+        where = save_merged(target, self.backbone, directory / BASE_MODEL_DIR)
+        return {"base_model_name_or_path": str(final / where.name)} if fmt == "medusa" else {}
+
+    @property
+    def layout_module(self) -> torch.nn.Module:
+        return self.model  # the heads: a layout holds no adapters
 
     @staticmethod
     def layout_keys(fmt: str, config: dict) -> set[str]:

@@ -124,3 +124,28 @@ def load_adapter(target_model: nn.Module, path: Path):
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"adapter weights that fit no adapter: {result.unexpected_keys[:4]}")
     return backbone
+
+
+@torch.no_grad()
+def save_merged(target, backbone, path: Path) -> Path:
+    """The adapted backbone with its adapters merged, saved as a transformers checkpoint (with
+    the target's tokenizer) at ``path`` and reloaded to check its logits.
+
+    Raises:
+        ModelError: the reload's logits differ from the merged model's.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from specdec.errors import ModelError
+
+    merged = merged_copy(target.model, backbone)
+    merged.save_pretrained(path, safe_serialization=True)
+    if target.tokenizer is not None:
+        target.tokenizer.save_pretrained(path)
+    dtype = next(merged.parameters()).dtype
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(target.device).eval()
+    ids = torch.randint(0, target.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(target.device)
+    if not torch.allclose(reloaded(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-4):
+        raise ModelError(f"{path}: the reloaded adapted backbone's logits differ from specdec's")
+    return path

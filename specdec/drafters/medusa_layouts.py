@@ -8,6 +8,9 @@
 - ``vllm_medusa`` (vLLM's ``MedusaModel``): ``blocks.h.layers.l.weight`` / ``.bias``, one LM
   head shared by the heads (``original_lm_head``) as ``lm_heads.0.weight``, and for a reduced
   vocabulary ``truncated_vocab_size`` with ``token_map`` (the draft's target ids).
+
+Medusa-2 heads read their adapted backbone, so both layouts carry it beside them in
+``base_model/`` (:meth:`MedusaDrafter.export_extras`).
 """
 
 from __future__ import annotations

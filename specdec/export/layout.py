@@ -48,6 +48,7 @@ def export_layout(
         )
     with atomic_dir(out_dir) as tmp:
         save_file(state, tmp / weights_file)
+        config |= drafter.export_extras(fmt, target, tmp, Path(out_dir).resolve())
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         saved = json.loads((tmp / CONFIG_FILE).read_text())
         reloaded = type(drafter).from_layout(fmt, saved, load_file(tmp / weights_file), target)
@@ -62,8 +63,8 @@ def _check_logits(path: Path, drafter, reloaded, target) -> None:
     layers = drafter.required_target_layers
     out = target.forward(ids, hidden_layers=layers)
     features = [out.hidden_states[i] for i in layers]
-    want = drafter.module.eval()(ids, None, features)
-    got = reloaded.module.eval()(ids, None, features)
+    want = drafter.layout_module.eval()(ids, None, features)
+    got = reloaded.layout_module.eval()(ids, None, features)
     steps = min(len(got), len(want))  # unrolled steps are a training setting, not the format's
     if reloaded.required_target_layers != layers or not torch.allclose(
         got[:steps], want[:steps], atol=ATOL, rtol=RTOL
