@@ -53,7 +53,7 @@ def main() -> None:
     layers = drafter.required_target_layers
     fp = cache_fingerprint(recipe, target, dataset, layers)
     build_teacher_cache(recipe, target, dataset, fp)  # nothing to do when it is there
-    cache = open_teacher_cache(recipe, fp, drafter.draft_ids)
+    cache = open_teacher_cache(recipe, fp, drafter.teacher_vocab)
     model = drafter.module.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     pad = target.tokenizer.pad_token_id or 0

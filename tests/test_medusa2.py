@@ -77,6 +77,36 @@ def test_teacher_and_weights_put_the_backbone_first(target):
     assert drafter.step_weights().tolist() == pytest.approx([0.3, 1.0, 0.8, 0.64])
 
 
+def test_heads_over_a_reduced_vocabulary_keep_the_backbone_step_full(target):
+    """With ``draft_vocab_size`` the heads read out over D tokens; the backbone's own step
+    stays over the full vocabulary, and so does its teacher."""
+    counts = torch.arange(
+        target.vocab_size, 0, -1
+    ).float()  # the D lowest ids are the most frequent
+    torch.manual_seed(0)
+    drafter = drafters.build(
+        target, MedusaConfig(lora_rank=4, num_heads=3, draft_vocab_size=50), counts
+    )
+    assert torch.equal(drafter.draft_ids.sort().values, torch.arange(50))
+    ids = torch.randint(0, target.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        steps = drafter.module(ids, None)
+        want = target.model(ids).logits
+    assert [tuple(t.shape) for t in steps] == [(2, 8, target.vocab_size)] + [(2, 8, 50)] * 3
+    torch.testing.assert_close(steps[0], want, atol=1e-5, rtol=1e-5)  # fresh adapters
+    for head in steps[1:]:  # fresh heads: the target's rows of the draft tokens
+        torch.testing.assert_close(head, want[..., drafter.draft_ids], atol=1e-5, rtol=1e-5)
+    logits = torch.randn(1, 8, target.vocab_size, generator=torch.Generator().manual_seed(1))
+    teacher = drafter.teacher(logits, torch.ones(1, 8))
+    log_p = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(teacher.log_probs[0][0, :7], log_p[0, :7])
+    assert torch.equal(teacher.tokens[0][0, :7], log_p[0, :7].argmax(-1))
+    for s in range(1, 4):
+        torch.testing.assert_close(teacher.log_probs[s][0, : 8 - 1 - s], log_p[0, s:7, :50])
+        best = log_p[0, s:7].argmax(-1)
+        assert torch.equal(teacher.tokens[s][0, : 8 - 1 - s], torch.where(best < 50, best, -1))
+
+
 def test_verifier_is_the_adapted_backbone_and_decoding_is_its_greedy_output(target):
     drafter = medusa2(target, adapter_scale=0.5)
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
@@ -171,14 +201,19 @@ def test_export_puts_the_adapted_backbone_beside_the_heads(target, tmp_path, fmt
         torch.testing.assert_close(x @ lm.T, want[head], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("vocab", [None, 100])
 def test_trains_adapters_and_heads_only_and_scores_against_the_adapted_backbone(
-    files, tmp_path, loaded_targets
+    files, tmp_path, loaded_targets, vocab
 ):
     from specdec.training.loop import train
 
     seen = loaded_targets  # the target instance the run trains against
     run_dir = tmp_path / "run"
-    recipe = load_recipe(RECIPE, overrides(files, run_dir, "train.save_every=100"))
+    args = [
+        "train.save_every=100",
+        f"drafter.draft_vocab_size={'null' if vocab is None else vocab}",
+    ]
+    recipe = load_recipe(RECIPE, overrides(files, run_dir, *args))
     assert train(recipe)["steps"] == 4
     before = load_file(files / "target" / "model.safetensors")
     after = seen[0].model.state_dict()
@@ -194,6 +229,13 @@ def test_trains_adapters_and_heads_only_and_scores_against_the_adapted_backbone(
     assert "not the original target's" in report["note"]
     logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert logged["train/acc@1"] > 0.9  # step 0: the adapted backbone still agrees
+    heads = load_file(ckpt / "model.safetensors")
+    if vocab is not None:  # an LM head of their own over the draft vocabulary, trained
+        assert heads["lm_head.weight"].shape == (vocab, seen[0].hidden_size)
+        rows = before["lm_head.weight"][heads["d2t"] + torch.arange(vocab)]
+        assert not torch.equal(heads["lm_head.weight"], rows)
+    else:
+        assert "lm_head.weight" not in heads and "d2t" not in heads
 
 
 def test_fsdp_refused_before_any_model_loads(files, tmp_path):
@@ -216,12 +258,12 @@ def test_eval_refuses_a_method_verified_by_its_own_model(capsys, target, tmp_pat
     assert f"method '{ckpt}': its proposals are verified by a model of its own" in err
 
 
-def test_reduced_vocabulary_and_other_layouts_refused(target, tmp_path):
+def test_no_adapted_projection_and_other_layouts_refused(target, tmp_path):
     from specdec.errors import ConfigError, ModelError
     from specdec.export import export
 
-    with pytest.raises(ConfigError, match="draft_vocab_size=100: Medusa-2 .* set it to null"):
-        load_recipe(RECIPE, ["drafter.draft_vocab_size=100"])
+    with pytest.raises(ConfigError, match=r"lora_target_modules=\[\]: empty: Medusa-2 adapts"):
+        load_recipe(RECIPE, ["drafter.lora_target_modules=[]"])
     ckpt = medusa2(target).save(tmp_path / "ckpt", target_name=target.name)
     with pytest.raises(ModelError, match="'medusa' drafter has no 'speculators' layout"):
         export("speculators", ckpt, tmp_path / "out", target)

@@ -27,6 +27,7 @@ def test_shipped_files_are_found():
         "debug/tiny_medusa2.yaml",
         "smollm2-135m/medusa1_demo.yaml",
         "smollm2-135m/medusa2_demo.yaml",
+        "smollm2-135m/medusa2.yaml",
         "smollm2-135m/mtp_demo.yaml",
         "qwen3-8b/draft_model.yaml",
     } <= names

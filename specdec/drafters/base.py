@@ -160,9 +160,10 @@ class Teacher:
     Attributes:
         log_probs: ``[S, B, T, D]`` the target's log-probabilities over the full vocabulary,
             read at the draft's D tokens (their sum is below 1 where the target puts mass
-            outside them; a loss renormalises them, acceptance metrics do not).
+            outside them; a loss renormalises them, acceptance metrics do not); a list of S
+            ``[B, T, D_s]`` where the steps' vocabularies differ.
         tokens: ``[S, B, T]`` the target's argmax as a draft index, -1 where it lies outside
-            the draft vocabulary (a position no draft can get right).
+            the draft vocabulary (a position no draft can get right); a list likewise.
         mask: ``[S, B, T]`` where step s at row t is trained on.
     """
 
@@ -203,28 +204,42 @@ class TrainableDrafter(Drafter):
         assistant token of the ``[B, T]`` ``loss_mask``."""
         return torch.stack([_shift_left(loss_mask, 1 + self.shift + s) for s in range(self.steps)])
 
+    def step_vocab(self, step: int) -> torch.Tensor | None:
+        """``[D]`` target ids of step ``step``'s outputs (None: the full vocabulary); the same
+        for every step unless a family's steps differ (Medusa-2: the backbone's own step)."""
+        return self.draft_ids
+
+    @property
+    def teacher_vocab(self) -> torch.Tensor | None:
+        """The target ids the teacher's log-probabilities are taken over, from the target or a
+        cache: the steps' vocabulary, or the full one where the steps' differ."""
+        vocabs = [self.step_vocab(s) for s in range(self.steps)]
+        return vocabs[0] if all(v is vocabs[0] for v in vocabs) else None
+
     def teacher(self, target_logits: torch.Tensor, loss_mask: torch.Tensor) -> Teacher:
         """The target's distributions for each step: row ``t + shift + s`` of the ``[B, T, V]``
         logits predicts the token that step s at row t predicts."""
         log_p = torch.log_softmax(target_logits.float(), dim=-1)  # [B, T, V]
-        best = log_p.argmax(dim=-1)  # [B, T]
-        if self.draft_ids is not None:
-            ids = self.draft_ids.to(log_p.device)
-            log_p = log_p.index_select(-1, ids)
-            index = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=ids.device)
-            index[ids] = torch.arange(len(ids), device=ids.device)
-            best = index[best]
+        log_p, best = _restrict(log_p, log_p.argmax(dim=-1), self.teacher_vocab)
         return self.shifted_teacher(log_p, best, loss_mask)
 
     def shifted_teacher(
         self, log_p: torch.Tensor, best: torch.Tensor, loss_mask: torch.Tensor
     ) -> Teacher:
-        """:meth:`teacher` from the target's ``[B, T, D]`` log-probabilities over the drafter's
-        vocabulary and its ``[B, T]`` top token there (-1: outside it), e.g. from a cache."""
-        log_probs = torch.stack([_shift_left(log_p, self.shift + s) for s in range(self.steps)])
-        tokens = torch.stack(
-            [_shift_left(best, self.shift + s, fill=-1) for s in range(self.steps)]
-        )
+        """:meth:`teacher` from the target's ``[B, T, D]`` log-probabilities over
+        :attr:`teacher_vocab` and its ``[B, T]`` top token there (-1: outside it), e.g. from a
+        cache. Where the steps' vocabularies differ, ``log_probs`` and ``tokens`` are lists of
+        the steps' own widths."""
+        given = self.teacher_vocab
+        log_probs, tokens = [], []
+        for s in range(self.steps):
+            step_log_p, step_best = log_p, best
+            if self.step_vocab(s) is not given:  # the teacher is over the full vocabulary
+                step_log_p, step_best = _restrict(log_p, best, self.step_vocab(s))
+            log_probs.append(_shift_left(step_log_p, self.shift + s))
+            tokens.append(_shift_left(step_best, self.shift + s, fill=-1))
+        if len({t.shape[-1] for t in log_probs}) == 1:
+            log_probs, tokens = torch.stack(log_probs), torch.stack(tokens)
         return Teacher(log_probs, tokens, self.loss_masks(loss_mask).bool())
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
@@ -278,6 +293,17 @@ def draft_chain(
             logits = advance(token, i)
     q = to_target(torch.stack(dists), draft_ids, vocab_size) if dists else None
     return Proposal(torch.stack(tokens), q)
+
+
+def _restrict(log_p: torch.Tensor, best: torch.Tensor, ids: torch.Tensor | None):
+    """``(log_p, best)`` over the full vocabulary read at the target ids ``ids`` (None: all),
+    the argmax becoming an index into them (-1: outside them)."""
+    if ids is None:
+        return log_p, best
+    ids = ids.to(log_p.device)
+    index = torch.full((log_p.shape[-1],), -1, dtype=torch.long, device=ids.device)
+    index[ids] = torch.arange(len(ids), device=ids.device)
+    return log_p.index_select(-1, ids), index[best]
 
 
 def _shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:

@@ -64,7 +64,8 @@ class MedusaConfig(DrafterConfig):
     draft_vocab_size: int | None = option(
         None, "null: the heads read out through the target's LM head (frozen, shared, not "
         "saved); a number: through an LM head of their own over that many of the most frequent "
-        "target tokens of the training answers (trained, shared by the heads).", ge=1,
+        "target tokens of the training answers (trained, shared by the heads; Medusa-2's "
+        "backbone keeps its own full-vocabulary head).", ge=1,
     )  # fmt: skip
     head_weight_decay: float = option(
         0.8, "Loss weight of head i: decay ** i (later heads are harder).", gt=0, le=1
@@ -84,13 +85,6 @@ class MedusaConfig(DrafterConfig):
     )  # fmt: skip
 
     def check(self) -> None:
-        if self.lora_rank and self.draft_vocab_size is not None:
-            raise Invalid(
-                "drafter.draft_vocab_size",
-                "Medusa-2 (drafter.lora_rank > 0) trains the backbone's own full-vocabulary "
-                "head beside the heads: set it to null",
-                also=["drafter.lora_rank"],
-            )
         if self.lora_rank and not self.lora_target_modules:
             raise Invalid("drafter.lora_target_modules", "empty: Medusa-2 adapts some projection")
 
@@ -310,6 +304,11 @@ class MedusaDrafter(TrainableDrafter):
     @property
     def layout_module(self) -> torch.nn.Module:
         return self.model  # the heads: a layout holds no adapters
+
+    def step_vocab(self, step: int) -> torch.Tensor | None:
+        """Medusa-2's step 0 is the backbone's own full-vocabulary distribution; the heads'
+        steps are over their vocabulary."""
+        return None if self.adapted is not None and step == 0 else self.draft_ids
 
     @staticmethod
     def layout_keys(fmt: str, config: dict) -> set[str]:

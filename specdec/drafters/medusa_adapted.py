@@ -54,7 +54,9 @@ class AdaptedHeads(nn.Module):
     """The trainable module of Medusa-2: the heads and the adapters (registered here, so the
     optimizer, DDP and the saved state see them); the backbone itself is borrowed.
 
-    ``forward`` returns ``[K + 1, B, T, V]``: the adapted backbone's logits, then the heads'.
+    ``forward`` returns ``[K + 1, B, T, V]``: the adapted backbone's logits, then the heads';
+    with heads over a reduced vocabulary of D tokens, the list of those K + 1 tensors (the
+    backbone's ``[B, T, V]``, the heads' ``[B, T, D]``).
     """
 
     def __init__(self, heads: nn.Module, backbone):
@@ -77,7 +79,10 @@ class AdaptedHeads(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
         )
         heads = self.heads(None, None, [out.hidden_states[-1]])
-        return torch.cat([out.logits[None].to(heads.dtype), heads])
+        own = out.logits.to(heads.dtype)
+        if heads.shape[-1] != own.shape[-1]:
+            return [own, *heads]
+        return torch.cat([own[None], heads])
 
 
 @torch.no_grad()

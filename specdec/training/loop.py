@@ -164,7 +164,7 @@ def setup(recipe: Recipe) -> Run:
         if accelerator.is_main_process:
             build_teacher_cache(recipe, target, dataset, fp)
         accelerator.wait_for_everyone()
-        cache = open_teacher_cache(recipe, fp, drafter.draft_ids)
+        cache = open_teacher_cache(recipe, fp, drafter.teacher_vocab)
     replica = None
     if fsdp:  # the replica is built without touching the random state the run goes on with
         with torch.random.fork_rng(devices=[] if accelerator.device.type == "cpu" else None):

@@ -102,10 +102,10 @@ def drafter_loss(
             target_logits[wanted] = out.logits
             teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
             features = [out.hidden_states[i] for i in layers]
-    logits = model(ids, attention, features)  # [S, B, T, D]
+    logits = model(ids, attention, features)  # [S, B, T, D] (or S tensors of their widths)
     weights = drafter.step_weights()
     loss, metrics = 0.0, {}
-    for s in range(logits.shape[0]):
+    for s in range(len(logits)):
         draft, mask = logits[s].float(), teacher.mask[s]
         step_loss, parts = distill_loss(
             draft,
