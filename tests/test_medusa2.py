@@ -105,6 +105,12 @@ def test_heads_over_a_reduced_vocabulary_keep_the_backbone_step_full(target):
         torch.testing.assert_close(teacher.log_probs[s][0, : 8 - 1 - s], log_p[0, s:7, :50])
         best = log_p[0, s:7].argmax(-1)
         assert torch.equal(teacher.tokens[s][0, : 8 - 1 - s], torch.where(best < 50, best, -1))
+    # a teacher cache is read over teacher_vocab: here the full vocabulary, for step 0
+    assert drafter.teacher_vocab is None
+    cached = drafter.shifted_teacher(log_p, log_p.argmax(-1), torch.ones(1, 8))
+    for s in range(4):
+        assert torch.equal(cached.log_probs[s], teacher.log_probs[s])
+        assert torch.equal(cached.tokens[s], teacher.tokens[s])
 
 
 def test_verifier_is_the_adapted_backbone_and_decoding_is_its_greedy_output(target):
