@@ -147,6 +147,48 @@ def test_verifier_is_the_adapted_backbone_and_decoding_is_its_greedy_output(targ
         assert got.tokens == expected and sum(got.accepted) > 0
 
 
+def test_sampling_passes_the_certificate_with_heads_over_a_reduced_vocabulary():
+    """T = 1 on a peaked tiny target: the output's law is the adapted backbone's (the
+    verifier), with heads over 300 of the 384 tokens fitted to its continuations."""
+    from specdec.scoring.certificate import sampling_certificate
+
+    model, tokenizer = tiny_models.tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    sharp = FrozenTarget(model, tokenizer, name="tiny-sharp")
+    counts = torch.arange(sharp.vocab_size, 0, -1).float()
+    torch.manual_seed(0)
+    drafter = drafters.build(
+        sharp, MedusaConfig(lora_rank=4, num_heads=3, draft_vocab_size=300), counts
+    )
+    with torch.no_grad():
+        for name, p in drafter.backbone.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    verifier = drafter.verifier(sharp.model)
+    prompts = [tokenizer(t)["input_ids"] for t in ("The quick brown fox", "def add(a, b):")]
+    optimizer = torch.optim.Adam(drafter.model.parameters(), lr=1e-2)
+    texts = [p + greedy_reference(verifier, p, 12) for p in prompts]
+    hidden = [last_hidden(FrozenTarget(verifier, tokenizer, name="v"), t)[None] for t in texts]
+    ids = drafter.draft_ids.tolist()
+    for _ in range(100):
+        loss = 0.0
+        for text, h in zip(texts, hidden, strict=True):
+            logits = drafter.model(None, None, [h])
+            for s in range(3):
+                labels = torch.tensor([ids.index(t) if t in ids else -100 for t in text[2 + s :]])
+                loss = loss + torch.nn.functional.cross_entropy(
+                    logits[s, 0, : len(labels)], labels, ignore_index=-100
+                )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    drafter.configure()
+    result = sampling_certificate(verifier, None, drafter, prompts, 6_000, k=3, new_tokens=3)
+    assert result["passed"] and result["p_value"] > 1e-3, result
+    assert result["dof"] >= 100 and 0.1 < result["accept_rate"] < 0.98, result
+
+
 def test_checkpoint_round_trip_in_peft_layout(target, tmp_path):
     from peft import PeftModel
 
