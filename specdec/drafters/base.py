@@ -133,7 +133,8 @@ class Drafter:
         )
 
     def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
-        """``(config.json, weights)`` of the drafter in a serving engine's layout ``fmt``.
+        """``(config.json, weights)`` of the drafter in a serving engine's layout ``fmt``, one
+        of its ``layouts`` (the exporter checks that first).
 
         Raises:
             ModelError: the family has no such layout.

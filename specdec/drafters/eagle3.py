@@ -201,8 +201,6 @@ class Eagle3Drafter(TrainableDrafter):
 
     def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
         """``(config.json, weights)`` of the head in a serving engine's layout."""
-        if fmt not in eagle3_layouts.FORMATS:
-            return super().export_layout(fmt, target)
         if fmt == "sglang" and self.model.cfg["num_layers"] > 1:
             raise ModelError("the sglang layout holds one-layer heads (drafter.num_layers: 1)")
         config = eagle3_layouts.engine_config(self, fmt, target)

@@ -286,8 +286,6 @@ class MedusaDrafter(TrainableDrafter):
         adapted backbone comes beside them, :meth:`export_extras`)."""
         from specdec.drafters import medusa_layouts
 
-        if fmt not in self.layouts:
-            return super().export_layout(fmt, target)
         return medusa_layouts.export(self, fmt, target)
 
     def export_extras(self, fmt: str, target, directory: Path, final: Path) -> dict:

@@ -164,8 +164,6 @@ class MTPDrafter(TrainableDrafter):
 
     def export_layout(self, fmt: str, target) -> tuple[dict, dict]:
         """``(config.json, weights)`` of the modules in a serving engine's layout."""
-        if fmt not in self.layouts:
-            return super().export_layout(fmt, target)
         return mtp_layouts.export(self, fmt, target)
 
     @staticmethod

@@ -1,9 +1,9 @@
 """Exporters of trained drafters, by format name.
 
-``hf`` lives in its own module; the serving engines' layouts (``speculators``, ``sglang``,
-``medusa``, ``vllm_medusa``) are declared by the drafter families and written by
-:mod:`specdec.export.layout`. Each export writes one directory and verifies it (reload,
-logits, key set) before moving it into place. Exporters never import accelerate.
+``hf`` lives in its own module; the serving engines' layouts are declared by the drafter
+families and written by :mod:`specdec.export.layout`. Each export writes one directory and
+verifies it (reload, logits, key set) before moving it into place. Exporters never import
+accelerate.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Exports in layouts the drafter families declare themselves (``layouts``: format -> weights
 file, and ``layout_keys(format, config)``), written and verified by
 :mod:`specdec.export.layout`, so a family brings its serving formats without this package
-naming it. One format may hold several families (``speculators``: EAGLE-3 heads and MTP
-modules); the checkpoint's family decides how it is written."""
+naming it. One format may hold several families; the checkpoint's family decides how it is
+written."""
 
 from __future__ import annotations
 

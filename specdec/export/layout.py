@@ -21,7 +21,6 @@ from specdec.errors import ModelError
 from specdec.files import atomic_dir
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 ATOL, RTOL = 1e-5, 1e-4
 
 
@@ -37,9 +36,11 @@ def export_layout(
     from safetensors.torch import load_file, save_file
 
     drafter = drafters.load(checkpoint_dir, target)
-    config, state = drafter.export_layout(fmt, target)
     family = type(drafter)
-    weights_file = family.layouts.get(fmt, WEIGHTS_FILE)
+    if fmt not in family.layouts:
+        raise ModelError(f"a '{drafter.name}' drafter has no '{fmt}' layout")
+    config, state = drafter.export_layout(fmt, target)
+    weights_file = family.layouts[fmt]
     want = family.layout_keys(fmt, config)
     if set(state) != want:
         raise ModelError(
