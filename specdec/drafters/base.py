@@ -29,6 +29,52 @@ import torch
 
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
 
+#: how a drafter's own forward runs while decoding: auto (float16 on a CPU, where a draft step
+#: is bound by reading the weights; its own dtype elsewhere), a dtype (a converted copy of the
+#: weights), or transformers (its own weights as they are)
+FORWARDS = ("auto", "transformers", "float32", "float16", "bfloat16")
+
+
+def checked_forward(forward: str) -> str:
+    """``forward`` if it is one of :data:`FORWARDS`.
+
+    Raises:
+        ConfigError: it is not.
+    """
+    if forward not in FORWARDS:
+        from specdec.errors import ConfigError
+
+        raise ConfigError(f"draft forward {forward!r}: expected one of {', '.join(FORWARDS)}")
+    return forward
+
+
+def decoding_dtype(forward: str, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a drafter whose weights are like ``weight`` decodes in under ``forward``."""
+    if forward in ("float32", "float16", "bfloat16"):
+        return getattr(torch, forward)
+    if forward == "auto" and weight.device.type == "cpu":
+        return torch.float16
+    return weight.dtype
+
+
+class DecodingCopy:
+    """The module a drafter decodes with: the trained one, or a copy of it in the decoding
+    dtype (``module.converted(dtype)``), made again when an optimizer step has changed the
+    trained weights since. Decoding stays exact in any dtype: the distributions a drafter
+    reports are the ones it sampled from."""
+
+    def __init__(self):
+        self.copy, self.version = None, None
+
+    def get(self, module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+        weight = next(module.parameters())
+        if dtype == weight.dtype:
+            return module
+        version = (dtype, weight.device, sum(p._version for p in module.parameters()))
+        if self.version != version:
+            self.copy, self.version = module.converted(dtype), version
+        return self.copy
+
 
 @dataclass
 class Proposal:

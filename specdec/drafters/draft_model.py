@@ -33,7 +33,7 @@ from specdec.config.validation import Invalid
 from specdec.decoding import compact
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Kept, ModelSession
-from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
+from specdec.drafters.base import FORWARDS, Proposal, TrainableDrafter, draft_chain
 from specdec.drafters.checkpoint import (
     CHECKPOINT_FILE,
     REDUCED_VOCAB_ATTR,
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 #: how the draft runs while decoding: ``auto`` (the compact forward in its default dtype where
 #: the architecture allows, else transformers), ``transformers`` (the model's own forward), or
 #: the compact forward in a given dtype
-DRAFT_FORWARDS = ("auto", "transformers", "float32", "float16", "bfloat16")
+DRAFT_FORWARDS = FORWARDS
 
 
 @dataclass

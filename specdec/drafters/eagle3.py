@@ -34,7 +34,14 @@ from specdec.decoding.compact import _linear_transposed
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import eagle3_layouts, vocabulary
-from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
+from specdec.drafters.base import (
+    DecodingCopy,
+    Proposal,
+    TrainableDrafter,
+    checked_forward,
+    decoding_dtype,
+    draft_chain,
+)
 from specdec.drafters.checkpoint import read_head, write_head
 from specdec.drafters.eagle3_model import (
     DraftCache,
@@ -47,12 +54,6 @@ from specdec.drafters.tree import Slots, draft_tree
 from specdec.errors import ConfigError, ModelError
 
 logger = logging.getLogger(__name__)
-
-#: how the head runs while decoding; the head is small and always runs in float32
-#: how the head runs while decoding: auto (float16 on a CPU, where a step is bound by reading
-#: the weights; its own dtype elsewhere), a dtype (a converted copy of the weights), or
-#: transformers (its own weights through plain ``F.linear``)
-FORWARDS = ("auto", "float32", "float16", "bfloat16", "transformers")
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Eagle3Drafter(TrainableDrafter):
         self.steps = model.cfg["steps"]
         self.decay = step_weight_decay
         self.forward, self.confidence = "auto", 0.0
+        self._copy = DecodingCopy()
         self.clock = Clock(model.fc.weight.device)
         self.seconds = 0.0
 
@@ -240,9 +242,7 @@ class Eagle3Drafter(TrainableDrafter):
     # ------------------------------------------------------------------------- decoding face
 
     def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
-        if forward not in FORWARDS:
-            raise ConfigError(f"draft forward {forward!r}: expected one of {', '.join(FORWARDS)}")
-        self.forward, self.confidence, self.tree = forward, confidence, tree
+        self.forward, self.confidence, self.tree = checked_forward(forward), confidence, tree
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         self.model.eval()
@@ -256,21 +256,8 @@ class Eagle3Drafter(TrainableDrafter):
         self.pending = self._fuse(target_features)  # [m, H] features not yet entered
 
     def _decoder(self) -> Eagle3Model:
-        """The head that decodes: the trained one, or a copy in the chosen dtype, made again
-        when an optimizer step has changed the weights since."""
-        weight = self.model.fc.weight
-        dtype = weight.dtype
-        if self.forward in ("float16", "bfloat16"):
-            dtype = getattr(torch, self.forward)
-        elif self.forward == "auto" and weight.device.type == "cpu":
-            dtype = torch.float16
-        if dtype == weight.dtype:
-            return self.model
-        version = (dtype, sum(p._version for p in self.model.parameters()))
-        if getattr(self, "_copy_version", None) != version:
-            self._copy = self.model.converted(dtype)
-            self._copy_version = version
-        return self._copy
+        """The head that decodes: the trained one, or a copy in the decoding dtype."""
+        return self._copy.get(self.model, decoding_dtype(self.forward, self.model.fc.weight))
 
     @torch.inference_mode()
     def _fuse(self, features: dict | None) -> torch.Tensor:

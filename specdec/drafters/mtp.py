@@ -28,10 +28,18 @@ import torch
 
 from specdec.config.schema import DrafterConfig, option
 from specdec.config.validation import Invalid
+from specdec.decoding.compact import _linear_transposed
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import mtp_layouts, vocabulary
-from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
+from specdec.drafters.base import (
+    DecodingCopy,
+    Proposal,
+    TrainableDrafter,
+    checked_forward,
+    decoding_dtype,
+    draft_chain,
+)
 from specdec.drafters.checkpoint import check_head_fits, read_head, write_head
 from specdec.drafters.eagle3_model import head_config
 from specdec.drafters.mtp_model import ModuleCache, MTPModel
@@ -101,7 +109,8 @@ class MTPDrafter(TrainableDrafter):
         self.vocab_size = vocab_size
         self.steps = model.cfg["num_modules"]
         self.decay = decay
-        self.confidence = 0.0
+        self.forward, self.confidence = "auto", 0.0
+        self._copy = DecodingCopy()
         self.clock = Clock(model.depths[0].eh_proj.weight.device)
         self.seconds = 0.0
 
@@ -203,14 +212,22 @@ class MTPDrafter(TrainableDrafter):
 
     def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
         super().configure(forward, confidence, tree)
-        self.confidence = confidence
+        self.forward, self.confidence = checked_forward(forward), confidence
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
+        """Start a sequence with the modules that decode: the trained ones, or a copy in the
+        decoding dtype (by default float16 on a CPU, where a draft step is bound by reading
+        the weights)."""
         self.model.eval()
-        cfg, device = self.model.cfg, self.model.depths[0].eh_proj.weight.device
-        self.caches = [ModuleCache(cfg, device, self.model.dtype) for _ in self.model.depths]
+        weight = self.model.depths[0].eh_proj.weight
+        self.decoder = self._copy.get(self.model, decoding_dtype(self.forward, weight))
+        cpu32 = weight.device.type == "cpu" and self.decoder.dtype == torch.float32
+        fast = cpu32 and self.forward != "transformers"
+        self.linear = _linear_transposed if fast else torch.nn.functional.linear
+        self.caches = [ModuleCache(self.decoder) for _ in self.model.depths]
         # outs[0]: the target's features of the verified positions; outs[k]: module k's outputs
-        empty = torch.zeros(0, cfg["hidden_size"], device=device, dtype=self.model.dtype)
+        size, dtype = self.model.cfg["hidden_size"], self.decoder.dtype
+        empty = torch.zeros(0, size, device=weight.device, dtype=dtype)
         self.outs = [empty] * (self.steps + 1)
         self.commit(0, target_features)
 
@@ -219,7 +236,7 @@ class MTPDrafter(TrainableDrafter):
             raise ModelError("the mtp modules need the target's last hidden state")
         for cache, out in zip(self.caches, self.outs[1:], strict=True):
             cache.length = len(out)  # the draft's entries go
-        rows = target_features[self.required_target_layers[0]].to(self.model.dtype)
+        rows = target_features[self.required_target_layers[0]].to(self.decoder.dtype)
         self.outs[0] = torch.cat([self.outs[0], rows])
 
     @torch.inference_mode()
@@ -242,14 +259,15 @@ class MTPDrafter(TrainableDrafter):
         for j in range(1, self.steps + 1):
             start, stop = len(self.outs[j]), len(sequence) - j
             if stop > start:
-                new = self.model.decode(
+                new = self.decoder.decode(
                     j - 1, self.outs[j - 1][start:stop], ids[start + j : stop + j], start,
-                    self.caches[j - 1],
+                    self.caches[j - 1], self.linear,
                 )  # fmt: skip
                 self.outs[j] = torch.cat([self.outs[j], new])
         if len(sequence) < 2:
             return Proposal(ids[:0])
-        model, drafts = self.model, {}  # module j -> its outputs at the drafted positions
+        model, linear, drafts = self.decoder, self.linear, {}  # drafts: module j -> its
+        # outputs at the drafted positions
 
         def step(j: int, drafted: list[torch.Tensor]) -> torch.Tensor:
             """Module j's logits at the last verified position L - 2: it first enters the
@@ -259,10 +277,10 @@ class MTPDrafter(TrainableDrafter):
             before = self.outs[j - 1][start:]
             hidden = torch.cat([before, drafts.get(j - 1, before[:0])])
             if not len(hidden):  # module 1: its last verified entry is at L - 2
-                return model.logits(j - 1, self.outs[j][-1:])[0]
+                return model.logits(j - 1, self.outs[j][-1:], linear)[0]
             tokens = torch.stack(drafted[-len(hidden) :])
-            drafts[j] = model.decode(j - 1, hidden, tokens, start, self.caches[j - 1])
-            return model.logits(j - 1, drafts[j][-1:])[0]
+            drafts[j] = model.decode(j - 1, hidden, tokens, start, self.caches[j - 1], linear)
+            return model.logits(j - 1, drafts[j][-1:], linear)[0]
 
         drafted: list[torch.Tensor] = []
 

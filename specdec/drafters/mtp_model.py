@@ -36,16 +36,20 @@ class MTPModule(nn.Module):
         self.layer = DraftLayer(cfg, first=False)
         self.norm = RMSNorm(h, eps)
 
-    def forward(self, hidden, embeds, cos, sin, mask, cache: ModuleCache | None = None, start=0):
+    def forward(
+        self, hidden, embeds, cos, sin, mask, cache: ModuleCache | None = None, start=0,
+        linear=F.linear,
+    ):  # fmt: skip
         """``(h^k, norm(h^k))`` over positions with ``cos``/``sin`` under ``mask``: from the
         previous depth's ``hidden`` and the ``embeds`` of the tokens k ahead; with a
         ``cache``, the positions' keys and values go to its slots ``start..`` and the
-        attention reads every slot before them too. (One ``forward``, so that a sharded
-        module gathers its weights once around all of it.)"""
+        attention reads every slot before them too; ``linear``: the matrix product to use
+        (``F.linear`` or a faster equivalent). (One ``forward``, so that a sharded module
+        gathers its weights once around all of it.)"""
         x = torch.cat([self.hnorm(hidden), self.enorm(embeds.to(hidden.dtype))], dim=-1)
-        x = self.eh_proj(x)
+        x = linear(x, self.eh_proj.weight)
         layer = self.layer
-        q, k, v = layer.qkv(x, None, cos, sin)
+        q, k, v = layer.qkv(x, None, cos, sin, linear)
         if cache is not None:  # [kv_heads, slots, dim] each
             end = start + x.shape[-2]
             cache.reserve(end)
@@ -54,7 +58,7 @@ class MTPModule(nn.Module):
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=layer.heads != layer.kv_heads
         )
-        x = layer.finish(x, attn)
+        x = layer.finish(x, attn, linear)
         return x, self.norm(x)
 
 
@@ -89,11 +93,11 @@ class MTPModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.depths[0].eh_proj.weight.dtype
 
-    def read_out(self, normed: torch.Tensor) -> torch.Tensor:
+    def read_out(self, normed: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """Logits from a module's normed output, through the shared LM head."""
         if self.lm_head is not None:
-            return self.lm_head(normed)
-        return F.linear(normed, self._borrowed[1].weight.detach().to(normed.dtype))
+            return linear(normed, self.lm_head.weight)
+        return linear(normed, self._borrowed[1].weight.detach().to(normed.dtype))
 
     def rope(self, positions: torch.Tensor):
         """cos, sin ``[T, dim]`` at ``positions`` ``[T]``."""
@@ -125,31 +129,48 @@ class MTPModel(nn.Module):
         return torch.stack(out)
 
     @torch.inference_mode()
-    def decode(self, depth: int, hidden, tokens, start: int, cache: ModuleCache) -> torch.Tensor:
+    def decode(
+        self, depth: int, hidden, tokens, start: int, cache: ModuleCache, linear=F.linear
+    ) -> torch.Tensor:
         """Module ``depth`` (0-based) over ``m`` positions ``start..start+m-1``, appended to its
         cache: ``hidden`` ``[m, H]`` the previous depth's outputs there, ``tokens`` ``[m]`` the
         token ``depth + 1`` after each. Returns the module's outputs ``[m, H]`` (pre-norm)."""
         module, m = self.depths[depth], hidden.shape[0]
         end = start + m
-        cos, sin = self.rope(torch.arange(start, end, device=hidden.device))
+        cache.reserve(end)
+        cos, sin = cache.cos[start:end], cache.sin[start:end]
         mask = None
         if m > 1:
             mask = torch.ones(m, end, dtype=torch.bool, device=hidden.device).tril(start)
         embeds = self.embedding(tokens)
-        x, _ = module(hidden.to(self.dtype), embeds, cos, sin, mask, cache, start)
+        x, _ = module(hidden.to(self.dtype), embeds, cos, sin, mask, cache, start, linear)
         return x
 
     @torch.inference_mode()
-    def logits(self, depth: int, x: torch.Tensor) -> torch.Tensor:
-        return self.read_out(self.depths[depth].norm(x)).float()
+    def logits(self, depth: int, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        return self.read_out(self.depths[depth].norm(x), linear).float()
+
+    def converted(self, dtype: torch.dtype) -> MTPModel:
+        """A copy in ``dtype`` for decoding: the modules, and the target's LM head where they
+        read out through it (converted once here, not at every draft step); the rotary tables
+        stay in float32 and the target's embedding stays borrowed."""
+        head = self._borrowed[1]
+        if self.lm_head is None:  # a module holding the converted weight, as the head's
+            head = nn.Embedding.from_pretrained(head.weight.detach().to(dtype), freeze=True)
+        copy = MTPModel(self.cfg, self.embedding, head, nn.Identity())
+        copy.load_state_dict(self.state_dict())
+        copy.to(self.depths[0].eh_proj.weight.device, dtype)
+        copy.rotary = self.rotary  # shared, in float32
+        return copy.eval()
 
 
 class ModuleCache:
-    """One module's KV cache for one sequence (``[kv_heads, capacity, dim]`` keys and values);
-    rolling back is setting ``length``."""
+    """One module's KV cache for one sequence (``[kv_heads, capacity, dim]`` keys and values,
+    and the rotary tables of its slots); rolling back is setting ``length``."""
 
-    def __init__(self, cfg: dict, device, dtype, capacity: int = 512):
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+    def __init__(self, model: MTPModel, capacity: int = 512):
+        self.model, self.cfg = model, model.cfg
+        self.device, self.dtype = model.depths[0].eh_proj.weight.device, model.dtype
         self.capacity, self.length = 0, 0
         self.keys = self.values = None
         self.reserve(capacity)
@@ -165,3 +186,4 @@ class ModuleCache:
             keys[:, : self.length] = self.keys[:, : self.length]
             values[:, : self.length] = self.values[:, : self.length]
         self.keys, self.values, self.capacity = keys, values, capacity
+        self.cos, self.sin = self.model.rope(torch.arange(capacity, device=self.device))
