@@ -15,7 +15,7 @@ from specdec import drafters
 from specdec.decoding.sampling import SamplingParams, probabilities
 from specdec.decoding.speculative import generate
 from specdec.drafters.mtp import MTPConfig
-from specdec.errors import ModelError
+from specdec.errors import ConfigError, ModelError
 from specdec.scoring.certificate import sampling_certificate
 from specdec.scoring.run import encode_prompt
 from specdec.target import FrozenTarget
@@ -179,3 +179,10 @@ def test_checkpoint_round_trip_and_another_target_refused(target, vocab, tmp_pat
     wider = FrozenTarget(type(target.model)(config).eval(), target.tokenizer, name="wider")
     with pytest.raises(ModelError, match="made for a target with hidden size 32"):
         drafters.load(path, wider)
+
+
+@pytest.mark.parametrize("family", ["mtp", "eagle3"])
+def test_an_unknown_draft_forward_is_refused(target, family):
+    drafter = drafters.build(target, drafters.config_classes()[family]())
+    with pytest.raises(ConfigError, match="draft forward 'fp8': expected one of auto, "):
+        drafter.configure("fp8")

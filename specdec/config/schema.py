@@ -79,10 +79,6 @@ class DrafterConfig:
     def check(self) -> None:
         """Rules between the family's fields; raises ``Invalid`` naming the key."""
 
-    def shardable(self) -> bool:
-        """Whether FSDP can shard the drafter these settings build."""
-        return True
-
     @staticmethod
     def variants() -> dict[str, type]:
         """Family name -> its config dataclass, from the drafter registry."""

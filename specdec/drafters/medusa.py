@@ -88,9 +88,6 @@ class MedusaConfig(DrafterConfig):
         if self.lora_rank and not self.lora_target_modules:
             raise Invalid("drafter.lora_target_modules", "empty: Medusa-2 adapts some projection")
 
-    def shardable(self) -> bool:
-        return not self.lora_rank  # Medusa-2's adapters live inside the borrowed backbone
-
 
 class ResBlock(nn.Module):
     """``x + SiLU(W x + b)``, started at zero (the identity)."""

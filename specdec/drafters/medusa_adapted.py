@@ -70,6 +70,11 @@ class AdaptedHeads(nn.Module):
     def backbone(self):
         return self._borrowed[0]
 
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The adapters: under FSDP they stay whole on every process (they live inside the
+        borrowed backbone, which runs them), while the heads are sharded."""
+        return list(self.adapters.values())
+
     def forward(self, input_ids, attention_mask, features=None) -> torch.Tensor:
         backbone = self.backbone
         probe = next(backbone.buffers(), None)

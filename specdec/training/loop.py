@@ -129,11 +129,6 @@ def setup(recipe: Recipe) -> Run:
     if fsdp and accelerator.num_processes == 1:
         logger.warning("FSDP over one process: nothing to shard, training unsharded")
         fsdp = False
-    if fsdp and not recipe.drafter.shardable():
-        raise ConfigError(
-            f"FSDP: a '{recipe.drafter.type}' drafter with these settings cannot be sharded "
-            "(its trainable weights live inside a borrowed model); launch with DDP"
-        )
     if accelerator.is_main_process:
         recover_run_dir(run_dir)
     accelerator.wait_for_everyone()
@@ -332,6 +327,8 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
             parts = _micro_step(run, batch, per_process)
         for key, value in parts.items():
             sums[key] = sums.get(key, 0) + value
+    if run.replica is not None:  # FSDP: weights kept whole get DDP's averaged gradients
+        sharding.reduce_replicated(run.model)
     grad_norm = None
     if cfg.max_grad_norm > 0 and run.replica is not None:
         grad_norm = sharding.clip_grad_norm(run.model, cfg.max_grad_norm)

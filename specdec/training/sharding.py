@@ -7,6 +7,10 @@ CUDA over NCCL and on CPUs over gloo, and accelerate only starts the processes. 
 every ``ModuleList`` (the decoder layers) is a unit of its own, the rest belongs to the root:
 a process holds 1/N of every weight, gradient and Adam moment, and gathers a unit's weights
 only while that unit runs. The frozen target is not sharded; every process holds it.
+Trainable weights that live inside a borrowed model (Medusa-2's adapters, inside the adapted
+backbone) cannot be split from it: the module names them (``replicated_parameters()``), every
+process holds them whole, and their gradients are averaged across the processes after the
+step's last micro-batch, as DDP does (:func:`reduce_replicated`).
 
 A sharded forward is a collective: every process must run it. What one process does alone
 with the drafter (saving and scoring a checkpoint) or each does on rows of its own (held-out
@@ -73,18 +77,41 @@ def shard(module: torch.nn.Module, device: torch.device, precision: str) -> torc
                 for name in getattr(block, "sharded_methods", ()):
                     register_fsdp_forward_method(block, name)
                 units += 1
-    fully_shard(module, mesh=mesh, mp_policy=policy)
+    whole = set(replicated(module))
+    fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=whole or None)
     total = sum(p.numel() for p in module.parameters())
-    held = sum(p.to_local().numel() for p in module.parameters())
+    held = sum(p.to_local().numel() if p not in whole else p.numel() for p in module.parameters())
     logger.info(
         "FSDP: the drafter sharded across %d processes in %d units; this process holds %d of "
-        "its %d parameters",
+        "its %d parameters (%d replicated)",
         world,
         units,
         held,
         total,
+        sum(p.numel() for p in whole),
     )
     return module
+
+
+def replicated(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable parameters ``module`` keeps whole on every process (its
+    ``replicated_parameters()``; none by default)."""
+    named = getattr(module, "replicated_parameters", None)
+    return [p for p in named() if p.requires_grad] if named is not None else []
+
+
+def reduce_replicated(module: torch.nn.Module) -> None:
+    """Average the replicated parameters' gradients across the processes (every process calls
+    it, once per optimizer step, after the last micro-batch's backward)."""
+    params = replicated(module)
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= torch.distributed.get_world_size()
+    for p, chunk in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = chunk.view_as(p).clone()
 
 
 def refresh(replica: torch.nn.Module, sharded: torch.nn.Module) -> None:
@@ -105,9 +132,24 @@ def no_sync(module: torch.nn.Module):
 
 
 def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip the sharded gradients by their global norm; returns that norm."""
-    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """Clip the gradients by their global norm (over the sharded and the replicated ones
+    together); returns that norm."""
+    whole = set(replicated(module))
+    groups = (
+        [p.grad for p in module.parameters() if p.grad is not None and p not in whole],
+        [p.grad for p in whole if p.grad is not None],
+    )
+    norms = []
+    for grads in groups:
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    scale = min(1.0, max_norm / (float(total) + 1e-6))
+    for grads in groups:
+        for grad in grads:
+            grad.mul_(scale)
+    return total
 
 
 def save(module, optimizer, state_dir: Path, is_main: bool) -> None:
