@@ -258,6 +258,11 @@ def _add_eval_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from typing import get_args
+
+    from specdec.config import EvalConfig
+    from specdec.config.validation import hints
+
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -328,8 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.add_argument("--cache-dir")
     v.add_argument("--max-ngram", type=int, help="prompt lookup's longest n-gram")
-    v.add_argument("--target-forward", default="auto", help="auto, compact or transformers")
-    v.add_argument("--draft-forward", default="auto", help="auto, compact or transformers")
+    for key in ("target_forward", "draft_forward"):  # the choices the recipe schema allows
+        tp = hints(EvalConfig)[key]
+        about = EvalConfig.__dataclass_fields__[key].metadata["help"]
+        v.add_argument(
+            _flag(key), default="auto", choices=get_args(tp), help=f"{about} (eval.{key})"
+        )
     v.add_argument(
         "--draft-confidence",
         type=float,

@@ -272,8 +272,10 @@ class EvalConfig:
     warmup_prompts: int = _opt(1, "Prompts run first and left out of timings.", ge=0)
     draft_forward: Literal["auto", "transformers", "float32", "float16", "bfloat16"] = _opt(
         "auto",
-        "How a draft model runs while decoding: auto is specdec's compact forward (float16 on "
-        "a CPU) where the architecture has one; transformers is the model's own forward.",
+        "How the drafter's own network runs while decoding: auto is float16 on a CPU (a draft "
+        "model through specdec's compact forward where the architecture has one, a head from "
+        "a float16 copy of its weights), its own dtype elsewhere; a dtype names one; transformers "
+        "is the network's own forward in its own dtype. Exact in any of them.",
     )
     draft_confidence: float = _opt(
         0.0,
