@@ -5,6 +5,8 @@ proposals, and its distance to the target is reported. Tiny random Llama target.
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -310,39 +312,68 @@ def test_no_adapted_projection_and_other_layouts_refused(target, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_two_processes_match_one(files, tmp_path, fsdp):
-    """Over gloo, the adapters and heads of two processes train as one process's with the
-    micro-batches of both: under DDP, and under FSDP (the heads sharded, the adapters kept
-    whole with averaged gradients, gradient clipping over both)."""
-    from test_training import finish, losses
+#: steps of both runs: one micro-batch of one row at a time, the gradient clipped at every step
+ARGS = (
+    "train.max_steps=4",
+    "train.save_every=2",
+    "train.batch_size=1",
+    "train.max_grad_norm=0.005",
+)
 
-    args = ["train.save_every=100", "train.max_grad_norm=0.005"]  # clipping at every step
-    finish(launch(overrides(files, tmp_path / "one", "train.grad_accum=2", *args), recipe=RECIPE))
-    two = launch(overrides(files, tmp_path / "two", "train.grad_accum=1", *args), processes=2,
-                 recipe=RECIPE, fsdp=fsdp)  # fmt: skip
-    out = finish(two)
-    if fsdp:
-        assert "FSDP: the drafter sharded across 2 processes" in out
-        assert " replicated)" in out and "(0 replicated)" not in out
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+
+def test_two_ddp_processes_match_one(files, tmp_path):
+    """DDP over gloo: the adapters and heads of two processes train as one process's with the
+    micro-batches of both."""
+    from test_training import finish
+
+    finish(launch(overrides(files, tmp_path / "one", "train.grad_accum=2", *ARGS), recipe=RECIPE))
+    two = overrides(files, tmp_path / "two", "train.grad_accum=1", *ARGS)
+    finish(launch(two, processes=2, recipe=RECIPE))
+    assert_same_training(tmp_path / "one", tmp_path / "two", ["step-000004"])
+
+
+def test_fsdp_two_processes_match_one_with_accumulation_and_resume_after_sigkill(files, tmp_path):
+    """FSDP over gloo: the heads sharded, the adapters (inside the borrowed backbone) kept whole
+    on every process with averaged gradients, clipping over both; with two micro-batches a
+    process, and a run killed after a save resumes to the same weights."""
+    import psutil
+    from test_training import finish
+
+    finish(launch(overrides(files, tmp_path / "one", "train.grad_accum=4", *ARGS), recipe=RECIPE))
+    run_dir = tmp_path / "fsdp"
+    fsdp = overrides(files, run_dir, "train.grad_accum=2", *ARGS)
+    proc = launch(fsdp, processes=2, recipe=RECIPE, fsdp=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run_dir / "checkpoints" / "step-000002").exists():
+        time.sleep(0.02)
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.kill()
+    out, _ = proc.communicate()
+    held = re.findall(r"this process holds (\d+) of its (\d+) parameters \((\d+) replicated\)", out)
+    assert len(held) == 2, out[-3000:]  # both processes: half the heads, all the adapters
+    (mine0, total, whole), (mine1, _, _) = ((int(x) for x in row) for row in held)
+    assert whole > 0 and (mine0 - whole) + (mine1 - whole) == total - whole
+    assert min(mine0, mine1) - whole > 0
+    out = finish(launch(fsdp, processes=2, recipe=RECIPE, fsdp=True))
+    assert "resumed" in out
+    assert_same_training(tmp_path / "one", run_dir, ["step-000002", "step-000004"])
+
+
+def assert_same_training(one: Path, two: Path, steps: list[str]) -> None:
+    """Same losses and gradient norms (above the clip bound) at every step, same adapters and
+    heads in every named checkpoint."""
+    from test_training import losses, metric
+
+    a, b = losses(one), losses(two)
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
-    for (_, x), (_, y) in zip(a, b, strict=True):
-        assert x == pytest.approx(y, rel=1e-4, abs=1e-6)
-    ckpt = Path("checkpoints") / "step-000004"
-    for weights in ("adapter/adapter_model.safetensors", "model.safetensors"):
-        w1, w2 = (
-            load_file(tmp_path / "one" / ckpt / weights),
-            load_file(tmp_path / "two" / ckpt / weights),
-        )
-        assert set(w1) == set(w2)
-        for name in w1:
-            torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)
-    norms = [grad_norms(tmp_path / run) for run in ("one", "two")]
+    assert [x for _, x in a] == pytest.approx([x for _, x in b], rel=1e-4, abs=1e-6)
+    norms = [metric(run, "train/grad_norm") for run in (one, two)]
     assert norms[0] == pytest.approx(norms[1], rel=1e-4)
     assert len(norms[0]) == 4 and min(norms[0]) > 0.005  # the clip bound was in force
-
-
-def grad_norms(run_dir: Path) -> list[float]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [m["train/grad_norm"] for m in lines if "train/grad_norm" in m]
+    for step in steps:
+        for weights in ("adapter/adapter_model.safetensors", "model.safetensors"):
+            w1 = load_file(one / "checkpoints" / step / weights)
+            w2 = load_file(two / "checkpoints" / step / weights)
+            assert set(w1) == set(w2)
+            for name in w1:
+                torch.testing.assert_close(w1[name], w2[name], atol=1e-6, rtol=1e-4)

@@ -203,6 +203,18 @@ def metric(run_dir: Path, key: str) -> list[float]:
     return [m[key] for m in lines if key in m]
 
 
+def test_fsdp_refuses_a_loss_scaler():
+    """fp16 on a GPU scales the loss; the sharded path would clip and apply scaled gradients.
+    (No GPU here: the accelerator's scaler is stood in for.)"""
+    from types import SimpleNamespace
+
+    from specdec.training import sharding
+
+    with pytest.raises(ConfigError, match="fp16 scales the loss, which sharded training does"):
+        sharding.check_precision(SimpleNamespace(scaler=object()))
+    sharding.check_precision(SimpleNamespace(scaler=None))  # bf16, or a CPU
+
+
 def test_kept_responses_train_beside_regenerated_ones(setup, tmp_path):
     """`responses: keep` rows are trained on as they are; only the others are regenerated."""
     from specdec.data.build import build_data, load_training_data

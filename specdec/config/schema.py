@@ -273,8 +273,9 @@ class EvalConfig:
     draft_forward: Literal["auto", "transformers", "float32", "float16", "bfloat16"] = _opt(
         "auto",
         "How the drafter's own network runs while decoding: auto is float16 on a CPU (a draft "
-        "model through specdec's compact forward where the architecture has one, a head from "
-        "a float16 copy of its weights), its own dtype elsewhere; a dtype names one; transformers "
+        "model through specdec's compact forward where the architecture has one; heads that "
+        "read the target's hidden states through a layer of their own from a float16 copy "
+        "of their weights), its own dtype elsewhere; a dtype names one; transformers "
         "is the network's own forward in its own dtype. Exact in any of them.",
     )
     draft_confidence: float = _opt(

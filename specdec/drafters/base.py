@@ -69,6 +69,7 @@ class DecodingCopy:
     def get(self, module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         weight = next(module.parameters())
         if dtype == weight.dtype:
+            self.copy, self.version = None, None  # (a copy made earlier is not kept alive)
             return module
         version = (dtype, weight.device, sum(p._version for p in module.parameters()))
         if self.version != version:

@@ -221,8 +221,8 @@ class Eagle3Model(nn.Module):
         return linear(self.norm(x), self.lm_head.weight)
 
     def converted(self, dtype: torch.dtype) -> Eagle3Model:
-        """A copy in ``dtype`` for decoding (the rotary tables stay in float32, the target's
-        embedding stays borrowed)."""
+        """A copy in ``dtype`` for decoding (the rotary module stays in float32, the tables it
+        gives are cast to ``dtype``; the target's embedding stays borrowed)."""
         copy = Eagle3Model(self.cfg, self.embedding, nn.Identity())
         copy.load_state_dict(self.state_dict())
         copy.to(self.fc.weight.device, dtype)

@@ -152,8 +152,9 @@ class MTPModel(nn.Module):
 
     def converted(self, dtype: torch.dtype) -> MTPModel:
         """A copy in ``dtype`` for decoding: the modules, and the target's LM head where they
-        read out through it (converted once here, not at every draft step); the rotary tables
-        stay in float32 and the target's embedding stays borrowed."""
+        read out through it (converted once here, not at every draft step); the rotary module
+        stays in float32 (the tables it gives are cast to ``dtype``) and the target's
+        embedding stays borrowed."""
         head = self._borrowed[1]
         if self.lm_head is None:  # a module holding the converted weight, as the head's
             head = nn.Embedding.from_pretrained(head.weight.detach().to(dtype), freeze=True)

@@ -129,6 +129,8 @@ def setup(recipe: Recipe) -> Run:
     if fsdp and accelerator.num_processes == 1:
         logger.warning("FSDP over one process: nothing to shard, training unsharded")
         fsdp = False
+    if fsdp:
+        sharding.check_precision(accelerator)
     if accelerator.is_main_process:
         recover_run_dir(run_dir)
     accelerator.wait_for_everyone()

@@ -58,6 +58,22 @@ def claim() -> bool:
     return os.environ.pop(FSDP_ENV, "").lower() == "true"
 
 
+def check_precision(accelerator) -> None:
+    """Refuse a loss scaler (fp16 on a GPU): the sharded path steps the optimizer itself and
+    would clip and apply the scaled gradients.
+
+    Raises:
+        ConfigError: the accelerator scales the loss.
+    """
+    if getattr(accelerator, "scaler", None) is not None:
+        from specdec.errors import ConfigError
+
+        raise ConfigError(
+            "train.mixed_precision: fp16 scales the loss, which sharded training does not "
+            "undo; use bf16 under FSDP (or fp16 with DDP)"
+        )
+
+
 def shard(module: torch.nn.Module, device: torch.device, precision: str) -> torch.nn.Module:
     """Shard ``module`` in place across all processes (each ``ModuleList`` block a unit, then
     the root; a block called through methods other than ``forward`` names them in
@@ -77,8 +93,12 @@ def shard(module: torch.nn.Module, device: torch.device, precision: str) -> torc
                 for name in getattr(block, "sharded_methods", ()):
                     register_fsdp_forward_method(block, name)
                 units += 1
-    whole = set(replicated(module))
+    kept = replicated(module)  # (a list: every process walks it in the same order)
+    whole = set(kept)
     fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=whole or None)
+    with torch.no_grad():  # the replicated weights start as the main process's, as DDP's do
+        for p in kept:
+            torch.distributed.broadcast(p, src=0)
     total = sum(p.numel() for p in module.parameters())
     held = sum(p.to_local().numel() if p not in whole else p.numel() for p in module.parameters())
     logger.info(
@@ -134,10 +154,11 @@ def no_sync(module: torch.nn.Module):
 def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients by their global norm (over the sharded and the replicated ones
     together); returns that norm."""
-    whole = set(replicated(module))
+    kept = replicated(module)
+    whole = set(kept)
     groups = (
         [p.grad for p in module.parameters() if p.grad is not None and p not in whole],
-        [p.grad for p in whole if p.grad is not None],
+        [p.grad for p in kept if p.grad is not None],
     )
     norms = []
     for grads in groups:
@@ -145,10 +166,11 @@ def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
             norm = torch.nn.utils.get_total_norm(grads)
             norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
-    scale = min(1.0, max_norm / (float(total) + 1e-6))
-    for grads in groups:
-        for grad in grads:
-            grad.mul_(scale)
+    scale = max_norm / (float(total) + 1e-6)
+    if not scale >= 1.0:  # as clip_grad_norm_: a NaN norm makes the gradients NaN too
+        for grads in groups:
+            for grad in grads:
+                grad.mul_(scale)
     return total
 
 
