@@ -12,6 +12,11 @@ branches or adapts the target is asked of the trained checkpoint, through the re
 test: a measurement. Reruns resume: a finished training run trains no more.
 
     python bench/families.py --minutes 6 --prompts 160 --out runs/families
+
+The reference recipes, whose data sections differ, on one recipe's data (all its prompts):
+
+    python bench/families.py --minutes 18 --prompts 0 --data-from recipes/smollm2-135m/eagle3.yaml \
+        --recipes recipes/smollm2-135m/{draft_model,eagle3,medusa1,medusa2,mtp}.yaml
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "smollm2-135m"
@@ -35,7 +42,12 @@ def specdec(*args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=6.0, help="training budget per family")
-    parser.add_argument("--prompts", type=int, default=160, help="training prompts regenerated")
+    parser.add_argument(
+        "--prompts", type=int, default=160, help="training prompts regenerated (0: all of them)"
+    )
+    parser.add_argument(
+        "--data-from", help="train every recipe on this recipe's data section (default: its own)"
+    )
     parser.add_argument("--eval-prompts", type=int, default=10, help="held-out prompts measured")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
@@ -49,12 +61,24 @@ def main() -> None:
     missing = [r for r in recipes if not r.is_file()]
     if missing:
         parser.error(f"--recipes: {missing[0]} does not exist")
+    data = []
+    if args.data_from:
+        if not Path(args.data_from).is_file():
+            parser.error(f"--data-from: {args.data_from} does not exist")
+        section = yaml.safe_load(Path(args.data_from).read_text()).get("data")
+        if not isinstance(section, dict):
+            parser.error(f"--data-from: {args.data_from} has no data section")
+        data.append(f"data={json.dumps(section)}")
+    if args.prompts < 0:
+        parser.error(f"--prompts: expected 0 (all) or a positive count, got {args.prompts}")
+    if args.prompts:
+        data.append(f"data.max_prompts={args.prompts}")
 
     for recipe in recipes:
         specdec(
-            "train", "--config", recipe,
+            "train", "--config", recipe, *data,
             f"run.output_dir={out / recipe.stem}", f"data.dataset_dir={out / 'data'}",
-            f"data.max_prompts={args.prompts}", "data.regenerate.max_new_tokens=128",
+            "data.regenerate.max_new_tokens=128",
             f"train.max_minutes={args.minutes}", "train.max_steps=100000",
             "train.schedule=constant", "train.save_every=100000", "train.length_group=4",
             "eval.num_prompts=2",
@@ -80,7 +104,8 @@ def main() -> None:
         else:
             shared += [str(best)] + ([f"{best}@dynamic"] if drafter.branches else [])
     if shared:
-        methods = [a for m in shared for a in ("--method", m)]
+        free = list(drafters.training_free())  # the bar a trained drafter must pass
+        methods = [a for m in [*shared, *free] for a in ("--method", m)]
         specdec("eval", *common, *methods, "--temperature", "0", "--out", out / "eval", "--force")
     for name in own:
         specdec("score", "--checkpoint", out / name / "best", *common,
@@ -90,8 +115,6 @@ def main() -> None:
 
 def table(out: Path, names: list[str], own: list[str]) -> None:
     """The markdown table of every run: steps and seconds trained, then the measurements."""
-    from specdec.scoring.report import rates
-
     path = out / "eval" / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {"configs": [{"methods": {}}]}
     (config,) = results["configs"]
@@ -102,18 +125,28 @@ def table(out: Path, names: list[str], own: list[str]) -> None:
         else:
             prefix = str(out / name / "best")
             measured = [(m, r) for m, r in config["methods"].items() if m.startswith(prefix)]
-        for method, r in measured:
-            shape = "tree" if method.endswith("@dynamic") else "chain"
-            accept = rates(r["accept_rate_per_position"])
-            rows.append(
-                f"| {name} | {shape} | {_trained(out / name)} | {r['tau']:.3f} | {accept} | "
-                f"{r['c']:.3f} | {r['v']:.3f} | {r['speedup']:.3f}x | {r['bound_speedup']:.3f}x "
-                f"| {r['efficiency']:.2f} | {r['greedy_match_rate']} |"
-            )
+        rows += [_row(name, out / name, method, r) for method, r in measured]
+    from specdec import drafters
+
+    for name in drafters.training_free():  # measured beside the trained ones, nothing trained
+        if name in config["methods"]:
+            rows.append(_row(name, None, name, config["methods"][name]))
     print("| recipe | draft | steps (s trained) | tau | accept@i | c | v | speedup | bound | "
           "efficiency | identical |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+
+
+def _row(name: str, run_dir: Path | None, method: str, r: dict) -> str:
+    from specdec.scoring.report import rates
+
+    shape = "tree" if method.endswith("@dynamic") else "chain"
+    trained = _trained(run_dir) if run_dir else "-"
+    return (
+        f"| {name} | {shape} | {trained} | {r['tau']:.3f} | {rates(r['accept_rate_per_position'])} "
+        f"| {r['c']:.3f} | {r['v']:.3f} | {r['speedup']:.3f}x | {r['bound_speedup']:.3f}x "
+        f"| {r['efficiency']:.2f} | {r['greedy_match_rate']} |"
+    )
 
 
 def _trained(run_dir: Path) -> str:
