@@ -121,26 +121,33 @@ def table(out: Path, names: list[str], own: list[str]) -> None:
     rows = []
     for name in names:
         if name in own:
-            measured = [("chain, own verifier", json.loads((out / f"{name}.json").read_text()))]
-        else:
-            prefix = str(out / name / "best")
-            measured = [(m, r) for m, r in config["methods"].items() if m.startswith(prefix)]
-        rows += [_row(name, out / name, method, r) for method, r in measured]
+            r = json.loads((out / f"{name}.json").read_text())
+            kl, agree = r["verifier"]["kl_to_target"], r["verifier"]["top1_agreement"]
+            shape = f"chain, own verifier (KL {kl:.2f} nats, top-1 agreement {agree:.2f})"
+            rows.append(_row(name, out / name, shape, r))
+            continue
+        prefix = str(out / name / "best")
+        for method, r in config["methods"].items():
+            if method.startswith(prefix):
+                rows.append(_row(name, out / name, _shape(method), r))
     from specdec import drafters
 
     for name in drafters.training_free():  # measured beside the trained ones, nothing trained
         if name in config["methods"]:
-            rows.append(_row(name, None, name, config["methods"][name]))
+            rows.append(_row(name, None, "chain", config["methods"][name]))
     print("| recipe | draft | steps (s trained) | tau | accept@i | c | v | speedup | bound | "
           "efficiency | identical |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 
-def _row(name: str, run_dir: Path | None, method: str, r: dict) -> str:
+def _shape(method: str) -> str:
+    return "dynamic tree" if method.endswith("@dynamic") else "chain"
+
+
+def _row(name: str, run_dir: Path | None, shape: str, r: dict) -> str:
     from specdec.scoring.report import rates
 
-    shape = "tree" if method.endswith("@dynamic") else "chain"
     trained = _trained(run_dir) if run_dir else "-"
     return (
         f"| {name} | {shape} | {trained} | {r['tau']:.3f} | {rates(r['accept_rate_per_position'])} "

@@ -96,7 +96,7 @@ def test_heads_and_drafts_are_what_the_paper_computes(target, vocab):
         )
     session = ModelSession(target.model, hidden_layers=drafter.required_target_layers)
     session.extend(prompt)
-    drafter.configure()
+    drafter.configure("float32")  # (the paper's arithmetic; float16 drafts are tested below)
     drafter.begin(prompt, session.hidden)
     sequence = prompt + [5]
     proposal = drafter.propose(sequence, 3, SamplingParams())
@@ -114,6 +114,61 @@ def test_heads_and_drafts_are_what_the_paper_computes(target, vocab):
     after = drafter.propose(sequence + [a, b, c], 3, SamplingParams())
     best = by_hand(drafter, target, last_hidden(target, prompt + [5, a, b])[-1]).argmax(-1)
     assert after.tokens.tolist() == (best if vocab is None else drafter.draft_ids[best]).tolist()
+
+
+@pytest.mark.parametrize("vocab", [None, 50])
+@pytest.mark.parametrize("forward", ["float32", "float16", "auto"])
+def test_drafts_in_each_dtype_are_the_heads_laws_and_follow_an_update(target, vocab, forward):
+    """Sampled drafts carry q: at depth d, head d's softmax, written by hand from the trained
+    float32 weights (float16 decoding, which ``auto`` is on a CPU: within 0.01 total
+    variation); after an in-place change of the weights (an optimizer step) the drafts follow
+    it, and neither the trained heads nor the target's head change dtype."""
+    drafter = heads(target, num_heads=3, num_layers=2, draft_vocab_size=vocab)
+    drafter.configure(forward)
+    prompt = encode_prompt(target.tokenizer, [{"role": "user", "content": QUESTION}])
+    h = last_hidden(target, prompt)[-1]
+    session = ModelSession(target.model, hidden_layers=drafter.required_target_layers)
+    session.extend(prompt)
+    params = SamplingParams(temperature=1.0)
+    tolerance = 1e-5 if forward == "float32" else 0.01
+    for _ in range(2):
+        rng = torch.get_rng_state()
+        drafter.begin(prompt, session.hidden)  # (the float16 copy is made here)
+        assert torch.equal(torch.get_rng_state(), rng)  # and leaves training's draws alone
+        proposal = drafter.propose(prompt + [5], 3, params, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = torch.softmax(by_hand(drafter, target, h), -1)  # [K, D]
+        if vocab is not None:
+            want = torch.zeros(3, target.vocab_size).index_put_(
+                (torch.arange(3)[:, None], drafter.draft_ids[None]), want
+            )
+        tv = 0.5 * (proposal.probs - want).abs().sum(-1)
+        assert proposal.probs.shape == (3, target.vocab_size) and tv.max() <= tolerance, tv
+        if forward != "float32":  # drafted in float16 indeed: its rounding moves q a little
+            assert tv.max() > 1e-6
+        with torch.no_grad():  # what an optimizer step does: the weights change in place
+            for p in drafter.module.parameters():
+                p.add_(0.3 * p.abs().mean() * torch.randn_like(p))
+    assert all(p.dtype == torch.float32 for p in drafter.module.parameters())
+    assert target.model.get_output_embeddings().weight.dtype == torch.float32
+
+
+def test_a_chain_runs_only_the_heads_it_drafts_with(target):
+    """The confidence stop saves the later heads' work: a chain asks head i only when it
+    drafts depth i + 1."""
+    drafter = heads(target, num_heads=4)
+    ran = []
+    for i, block in enumerate(drafter.module.blocks):
+        block.register_forward_hook(lambda module, args, out, i=i: ran.append(i))
+    prompt = encode_prompt(target.tokenizer, [{"role": "user", "content": QUESTION}])
+    session = ModelSession(target.model, hidden_layers=drafter.required_target_layers)
+    session.extend(prompt)
+    for confidence, want in ((1.0, [0]), (0.0, [0, 1, 2, 3])):
+        drafter.configure("float32", confidence=confidence)  # (float32: the trained heads run)
+        drafter.begin(prompt, session.hidden)
+        ran.clear()
+        proposal = drafter.propose(prompt + [5], 4, SamplingParams())
+        assert ran == want and len(proposal) == len(want)
 
 
 def test_teacher_of_head_s_is_the_target_two_plus_s_ahead(target):

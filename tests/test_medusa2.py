@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from test_cli_errors import error_line
 from test_eagle3_training import overrides
-from test_medusa import QUESTION, last_hidden
+from test_medusa import DYNAMIC, QUESTION, last_hidden
 from test_training import launch, setup
 from test_tree import greedy_reference
 
@@ -147,6 +147,12 @@ def test_verifier_is_the_adapted_backbone_and_decoding_is_its_greedy_output(targ
         s = session(verifier, hidden_layers=drafter.required_target_layers)
         got = generate(s, prompt, drafter=drafter, k=3, max_new_tokens=30)
         assert got.tokens == expected and sum(got.accepted) > 0
+    # k above the heads: as deep as there are heads (the backbone's step drafts none)
+    for tree in (None, DYNAMIC):
+        drafter.configure(tree=tree)
+        s = CompactSession(verifier, hidden_layers=drafter.required_target_layers)
+        got = generate(s, prompt, drafter=drafter, k=6, max_new_tokens=30)
+        assert got.tokens == expected and max(got.depths) == 3
 
 
 def test_sampling_passes_the_certificate_with_heads_over_a_reduced_vocabulary():

@@ -73,7 +73,9 @@ class DecodingCopy:
             return module
         version = (dtype, weight.device, sum(p._version for p in module.parameters()))
         if self.version != version:
-            self.copy, self.version = module.converted(dtype), version
+            with torch.random.fork_rng(devices=[]):  # the copy's own initial values, drawn
+                self.copy = module.converted(dtype)  # and overwritten, leave training's RNG
+            self.version = version
         return self.copy
 
 

@@ -13,9 +13,11 @@ Training face: S = K steps, step s at row t predicts token t + 2 + s from the ta
 loss weight of head s is ``decay ** s``.
 
 Decoding face: the heads read the target's features of the last verified position, which the
-verify forward already computed, so drafting costs K small matrix products and no forward of a
-model. A chain takes head i's token at depth i + 1; a tree (Medusa's static "choices", or a
-dynamic tree by path probability) gives every node at depth d the children of head d. The
+verify forward already computed, so drafting costs small matrix products and no forward of a
+model (on a CPU from a float16 copy of the heads, ``eval.draft_forward``). A chain takes head
+i's token at depth i + 1, running head i only when it drafts that depth (a confidence stop
+saves the later heads); a tree (Medusa's static "choices", or a dynamic tree by path
+probability) gives every node at depth d the children of head d. The
 heads' draws at different depths are independent of each other; q at depth d is head d's
 processed distribution, whatever the tokens before it, which is a valid proposal for the
 rejection rule (it only needs the law each token was drawn from), so decoding stays exact.
@@ -38,15 +40,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from specdec.config.schema import DrafterConfig, option
 from specdec.config.validation import Invalid
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import vocabulary
-from specdec.drafters.base import Proposal, TrainableDrafter, draft_chain
+from specdec.drafters.base import (
+    DecodingCopy,
+    Proposal,
+    TrainableDrafter,
+    checked_forward,
+    decoding_dtype,
+    draft_chain,
+)
 from specdec.drafters.checkpoint import check_head_fits, read_head, write_head
+from specdec.drafters.medusa_model import MedusaHeads
 from specdec.drafters.tree import draft_tree
 from specdec.errors import ModelError
 
@@ -87,58 +96,6 @@ class MedusaConfig(DrafterConfig):
     def check(self) -> None:
         if self.lora_rank and not self.lora_target_modules:
             raise Invalid("drafter.lora_target_modules", "empty: Medusa-2 adapts some projection")
-
-
-class ResBlock(nn.Module):
-    """``x + SiLU(W x + b)``, started at zero (the identity)."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
-
-
-class MedusaHeads(nn.Module):
-    """The trainable heads. The target's LM head, when used, is borrowed (not a submodule).
-
-    Args:
-        cfg: ``num_heads``, ``num_layers``, ``hidden_size``, ``draft_vocab_size`` and
-            ``own_head`` (an LM head of their own).
-        target_head: the target's output embedding module.
-    """
-
-    def __init__(self, cfg: dict, target_head: nn.Module):
-        super().__init__()
-        self.cfg = dict(cfg)
-        hidden = cfg["hidden_size"]
-        self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden) for _ in range(cfg["num_layers"])])
-            for _ in range(cfg["num_heads"])
-        )
-        self.lm_head = None
-        if cfg["own_head"]:
-            self.lm_head = nn.Linear(hidden, cfg["draft_vocab_size"], bias=False)
-        self._borrowed = (target_head,)  # a tuple: nn.Module does not register what is inside
-
-    def read_out(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(x)
-        weight = self._borrowed[0].weight.detach()
-        return nn.functional.linear(x, weight.to(x.dtype))
-
-    def forward(self, input_ids, attention_mask, features: list[torch.Tensor]) -> torch.Tensor:
-        """``[S, B, T, D]``: head s at row t, from the target's last hidden state at t."""
-        h = features[0].to(self.blocks[0][0].linear.weight.dtype)
-        return torch.stack([self.read_out(block(h)) for block in self.blocks])
-
-    @torch.inference_mode()
-    def heads(self, h: torch.Tensor) -> torch.Tensor:
-        """``[K, D]`` every head's logits from one ``[H]`` hidden state."""
-        return self.forward(None, None, [h.view(1, -1)])[:, 0].float()
 
 
 class MedusaDrafter(TrainableDrafter):
@@ -183,7 +140,8 @@ class MedusaDrafter(TrainableDrafter):
             self.adapted = AdaptedHeads(model, backbone)
             self.steps, self.shift = self.steps + 1, 0
             self.adapts_target = True
-        self.confidence = 0.0
+        self.confidence, self.forward, self._copy = 0.0, "auto", DecodingCopy()
+        self.decoder = model
         self.clock = Clock(next(model.parameters()).device)
         self.seconds = 0.0
         self.h: torch.Tensor | None = None
@@ -360,10 +318,12 @@ class MedusaDrafter(TrainableDrafter):
     # ------------------------------------------------------------------------- decoding face
 
     def configure(self, forward: str = "auto", confidence: float = 0.0, tree=None) -> None:
-        self.confidence, self.tree = confidence, tree
+        self.forward, self.confidence, self.tree = checked_forward(forward), confidence, tree
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         self.model.eval()
+        dtype = decoding_dtype(self.forward, next(self.model.parameters()))
+        self.decoder = self._copy.get(self.model, dtype)  # made (again) here, not in a round
         self.h = None
         self.commit(0, target_features)
 
@@ -383,9 +343,10 @@ class MedusaDrafter(TrainableDrafter):
         generator: torch.Generator | None = None,
     ) -> Proposal:
         t0 = self.clock()
-        logits = self.model.heads(self.h)  # [K, D]: head i drafts depth i + 1
-        k = min(k, self.steps)
+        model = self.decoder  # head i drafts depth i + 1
+        k = min(k, model.cfg["num_heads"])  # (Medusa-2's steps count its backbone too)
         if self.tree is not None:
+            logits = model.heads(self.h)  # [K, D]
 
             def feed(nodes: list[int], parents: list[int], tokens: torch.Tensor) -> torch.Tensor:
                 depth = {-1: 0}
@@ -398,8 +359,8 @@ class MedusaDrafter(TrainableDrafter):
             )
         else:
             proposal = draft_chain(
-                logits[0], lambda token, i: logits[i + 1], k, params, generator,
-                self.draft_ids, self.vocab_size, self.confidence,
+                model.head(0, self.h), lambda token, i: model.head(i + 1, self.h), k, params,
+                generator, self.draft_ids, self.vocab_size, self.confidence,
             )  # fmt: skip
         self.seconds += self.clock() - t0
         return proposal

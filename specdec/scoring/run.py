@@ -287,7 +287,6 @@ def _per_category(rows, method, baseline, settings) -> dict:
 
 
 @torch.inference_mode()
-@torch.inference_mode()
 def adaptation_report(original, adapted, encoded, baseline) -> dict:
     """How far a drafter's adapted verifier is from the target, on the held-out prompts and
     the adapted model's own plain continuations of them: the mean per-token KL(target ||
