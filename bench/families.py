@@ -27,8 +27,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "smollm2-135m"
 
@@ -62,12 +60,15 @@ def main() -> None:
     if missing:
         parser.error(f"--recipes: {missing[0]} does not exist")
     data = []
-    if args.data_from:
-        if not Path(args.data_from).is_file():
-            parser.error(f"--data-from: {args.data_from} does not exist")
-        section = yaml.safe_load(Path(args.data_from).read_text()).get("data")
-        if not isinstance(section, dict):
-            parser.error(f"--data-from: {args.data_from} has no data section")
+    if args.data_from:  # the recipe read (and checked) as `specdec train` reads it
+        from specdec.config import load_recipe
+        from specdec.config.loader import recipe_to_dict
+        from specdec.errors import ConfigError
+
+        try:
+            section = recipe_to_dict(load_recipe(args.data_from))["data"]
+        except ConfigError as err:
+            parser.error(f"--data-from: {err}")
         data.append(f"data={json.dumps(section)}")
     if args.prompts < 0:
         parser.error(f"--prompts: expected 0 (all) or a positive count, got {args.prompts}")
