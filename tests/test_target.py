@@ -15,13 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specdec.errors import AssetError, ModelError
-from specdec.target import (
-    EMBEDDED,
-    FrozenTarget,
-    TargetOutput,
-    convert_gguf,
-    resolve_target_path,
-)
+from specdec.target import FrozenTarget, TargetOutput
+from specdec.target_files import EMBEDDED, convert_gguf, resolve_target_path
 
 FAMILIES = {"llama": tiny_models.tiny_llama, "qwen2": tiny_models.tiny_qwen2}
 
@@ -267,7 +262,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_gguf_file_converts_once_with_identical_logits(tiny_gguf, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="specdec.target")
+    caplog.set_level(logging.INFO, logger="specdec")
     target = FrozenTarget.load(str(tiny_gguf), cache_dir=tmp_path, device="cpu")
     (converted,) = (tmp_path / "models").iterdir()
     assert converted.name.startswith("tiny-llama.Q8_0-")

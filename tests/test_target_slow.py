@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import assets
-from specdec.target import EMBEDDED, FrozenTarget
+from specdec.target import FrozenTarget
+from specdec.target_files import EMBEDDED
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def test_second_load_reuses_conversion(smollm2, caplog):
     converted = assets.cache_dir() / "models" / NAME
     weights = converted / "model.safetensors"
     mtime = os.stat(weights).st_mtime_ns
-    caplog.set_level(logging.INFO, logger="specdec.target")
+    caplog.set_level(logging.INFO, logger="specdec")
     again = FrozenTarget.load(NAME, device="cpu")
     assert f"using converted target {converted}" in caplog.text
     assert "converted " not in caplog.text.replace("using converted", "")
