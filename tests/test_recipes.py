@@ -30,6 +30,7 @@ def test_shipped_files_are_found():
         "smollm2-135m/medusa2.yaml",
         "smollm2-135m/mtp_demo.yaml",
         "qwen3-8b/draft_model.yaml",
+        "qwen3-8b/medusa2.yaml",
     } <= names
     assert {p.name for p in ACCELERATE_FILES} == {
         "cpu.yaml",
