@@ -318,6 +318,60 @@ def test_no_adapted_projection_and_other_layouts_refused(target, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_gradient_checkpointing_recomputes_the_backbone_with_the_same_gradients(target):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def run(checkpointing: bool):
+        drafter = medusa2(target, adapter_scale=0.1)
+        if checkpointing:
+            drafter.prepare_training(MedusaConfig(lora_rank=4, gradient_checkpointing=True))
+        layers = [
+            m
+            for m in drafter.backbone.get_base_model().modules()
+            if isinstance(m, GradientCheckpointingLayer)
+        ]
+        calls = []
+        for layer in layers:  # a recomputed layer runs its adapted attention again
+            layer.self_attn.register_forward_hook(lambda *_: calls.append(1))
+        ids = torch.randint(
+            0, target.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3)
+        )
+        steps = drafter.module(ids, None)
+        weights = torch.arange(1.0, 5.0)[:, None, None]
+        loss = (weights * torch.log_softmax(steps, -1)[..., :7].sum(-1)).mean()
+        forwards = len(calls)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in drafter.module.named_parameters() if p.requires_grad}
+        return loss.detach(), grads, forwards, len(calls), len(layers)
+
+    loss, grads, forwards, total, n = run(False)
+    loss_c, grads_c, forwards_c, total_c, n_c = run(True)
+    assert n == n_c == target.num_layers
+    assert (forwards, total) == (n, n)  # kept activations: one forward per layer
+    assert (forwards_c, total_c) == (n, 2 * n)  # checkpointed: each layer runs again backward
+    torch.testing.assert_close(loss_c, loss, atol=0, rtol=0)
+    assert grads_c.keys() == grads.keys() and any("lora_A" in k for k in grads)
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], atol=1e-6, rtol=1e-5)
+    assert all(grads_c[k].abs().sum() > 0 for k in grads if "lora_A" in k)
+    # the target itself is neither checkpointed nor in training mode
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in target.model.modules())
+    assert not any(m.training for m in target.model.modules())
+
+
+def test_gradient_checkpointing_without_adapters_refused(target, tmp_path):
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"drafter.gradient_checkpointing.*Medusa-2 only"):
+        load_recipe(RECIPE, ["drafter.lora_rank=0", "drafter.gradient_checkpointing=true"])
+    torch.manual_seed(0)
+    heads = drafters.build(target, MedusaConfig(num_heads=2))
+    ckpt = heads.save(tmp_path / "medusa1", target_name=target.name)
+    cfg = MedusaConfig(from_pretrained=str(ckpt), gradient_checkpointing=True)
+    with pytest.raises(ConfigError, match=rf"{ckpt} holds Medusa-1 heads"):
+        drafters.for_recipe(cfg, target, None)
+
+
 #: steps of both runs: one micro-batch of one row at a time, the gradient clipped at every step
 ARGS = (
     "train.max_steps=4",

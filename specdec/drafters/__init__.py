@@ -75,13 +75,16 @@ def for_recipe(config, target, dataset) -> TrainableDrafter:
     for ``target`` with the token counts of the training ``dataset``."""
     path = config.from_pretrained
     if not path:
-        return build(target, config, token_counts(dataset, target.vocab_size))
-    family = family_of(path)
-    if family != config.type:
-        raise ConfigError(
-            f"drafter.from_pretrained: {path} holds a '{family}' drafter, not '{config.type}'"
-        )
-    return load(path, target)
+        drafter = build(target, config, token_counts(dataset, target.vocab_size))
+    else:
+        family = family_of(path)
+        if family != config.type:
+            raise ConfigError(
+                f"drafter.from_pretrained: {path} holds a '{family}' drafter, not '{config.type}'"
+            )
+        drafter = load(path, target)
+    drafter.prepare_training(config)
+    return drafter
 
 
 def load(path: str | os.PathLike, target) -> Drafter:

@@ -245,6 +245,10 @@ class TrainableDrafter(Drafter):
         trainable module, unless it carries more than the layout: Medusa-2's adapters)."""
         return self.module
 
+    def prepare_training(self, config) -> None:
+        """Apply the recipe's training-only options (its ``drafter`` section), whether the
+        drafter was built fresh or loaded from ``from_pretrained``; most families have none."""
+
     def step_weights(self) -> torch.Tensor:
         """``[S]`` loss weight of each step."""
         return torch.ones(self.steps)

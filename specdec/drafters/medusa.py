@@ -57,7 +57,7 @@ from specdec.drafters.base import (
 from specdec.drafters.checkpoint import check_head_fits, read_head, write_head
 from specdec.drafters.medusa_model import MedusaHeads
 from specdec.drafters.tree import draft_tree
-from specdec.errors import ModelError
+from specdec.errors import ConfigError, ModelError
 
 #: the target layer the heads read: the last one, after the final norm (the LM head's input)
 LAST = -1
@@ -93,9 +93,20 @@ class MedusaConfig(DrafterConfig):
         "next-token distribution against the original target's.", ge=0,
     )  # fmt: skip
 
+    gradient_checkpointing: bool = option(
+        False, "Medusa-2: recompute the backbone's decoder layers in the backward pass instead "
+        "of keeping their activations (less memory for a large target, about one more forward "
+        "of compute).",
+    )  # fmt: skip
+
     def check(self) -> None:
         if self.lora_rank and not self.lora_target_modules:
             raise Invalid("drafter.lora_target_modules", "empty: Medusa-2 adapts some projection")
+        if self.gradient_checkpointing and not (self.lora_rank or self.from_pretrained):
+            raise Invalid(
+                "drafter.gradient_checkpointing", "Medusa-2 only (lora_rank > 0): Medusa-1 "
+                "runs no backward through the backbone",
+            )  # fmt: skip
 
 
 class MedusaDrafter(TrainableDrafter):
@@ -179,6 +190,18 @@ class MedusaDrafter(TrainableDrafter):
             model, layer, draft_ids, target.vocab_size, cfg.head_weight_decay, backbone,
             cfg.backbone_weight,
         )  # fmt: skip
+
+    def prepare_training(self, config: MedusaConfig) -> None:
+        if not config.gradient_checkpointing:
+            return
+        if self.backbone is None:
+            raise ConfigError(
+                f"drafter.gradient_checkpointing: {config.from_pretrained} holds Medusa-1 heads, "
+                "which run no backward through the backbone"
+            )
+        from specdec.drafters.medusa_adapted import checkpoint_layers
+
+        checkpoint_layers(self.backbone)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, target) -> MedusaDrafter:

@@ -41,6 +41,23 @@ def adapt(target_model: nn.Module, rank: int, alpha: float, modules: list[str]):
     return get_peft_model(shallow_copy(target_model), config)
 
 
+def checkpoint_layers(backbone) -> int:
+    """Recompute each of the adapted backbone's decoder layers in the backward pass instead of
+    keeping its activations (transformers' activation checkpointing, non-reentrant); returns how
+    many layers do. transformers checkpoints a layer only in training mode: the layers' own
+    flag is set, their children (attention, MLP, any dropout) stay in eval mode, so the
+    computation is unchanged. The backbone is a copy: the target's layers are not touched."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model = backbone.get_base_model()
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.training = True
+    return len(layers)
+
+
 def lora_settings(backbone) -> dict:
     config = backbone.peft_config["default"]
     return {
@@ -81,7 +98,10 @@ class AdaptedHeads(nn.Module):
         if probe is not None and probe.device != input_ids.device:  # the target moved since
             backbone.to(input_ids.device)
         out = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+            use_cache=False,
         )
         heads = self.heads(None, None, [out.hidden_states[-1]])
         own = out.logits.to(heads.dtype)
