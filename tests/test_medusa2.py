@@ -285,6 +285,13 @@ def test_trains_adapters_and_heads_only_and_scores_against_the_adapted_backbone(
     assert "not the original target's" in report["note"]
     logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert logged["train/acc@1"] > 0.9  # step 0: the adapted backbone still agrees
+    # the saved optimizer: the heads at train.lr's schedule, the adapters at a quarter of it
+    saved = torch.load(run_dir / "state" / "optimizer.bin", weights_only=False)
+    (heads_group, adapter_group) = saved["param_groups"]
+    assert heads_group["initial_lr"] == recipe.train.lr
+    assert adapter_group["initial_lr"] == pytest.approx(0.25 * recipe.train.lr)
+    assert len(adapter_group["params"]) == len(adapter) > 0  # every lora_A and lora_B
+    assert len(heads_group["params"]) > 0
     heads = load_file(ckpt / "model.safetensors")
     if vocab is not None:  # an LM head of their own over the draft vocabulary, trained
         assert heads["lm_head.weight"].shape == (vocab, seen[0].hidden_size)
@@ -292,6 +299,18 @@ def test_trains_adapters_and_heads_only_and_scores_against_the_adapted_backbone(
         assert not torch.equal(heads["lm_head.weight"], rows)
     else:
         assert "lm_head.weight" not in heads and "d2t" not in heads
+
+
+def test_param_groups_put_the_adapters_at_their_rate(target):
+    drafter = medusa2(target)
+    drafter.prepare_training(MedusaConfig(lora_rank=4, adapter_lr_scale=0.1))
+    named = [(n, p) for n, p in drafter.module.named_parameters() if p.requires_grad]
+    heads, adapters = drafter.param_groups([p for _, p in named], lr=2e-3)
+    assert "lr" not in heads and adapters["lr"] == pytest.approx(2e-4)
+    assert {id(p) for p in adapters["params"]} == {id(p) for n, p in named if "lora_" in n}
+    assert {id(p) for p in heads["params"]} == {id(p) for n, p in named if n.startswith("heads.")}
+    (only,) = drafters.build(target, MedusaConfig(num_heads=2)).param_groups([], lr=1e-3)
+    assert only == {"params": []}  # Medusa-1: one group
 
 
 def test_eval_refuses_a_method_verified_by_its_own_model(capsys, target, tmp_path):

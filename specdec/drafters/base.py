@@ -249,6 +249,11 @@ class TrainableDrafter(Drafter):
         """Apply the recipe's training-only options (its ``drafter`` section), whether the
         drafter was built fresh or loaded from ``from_pretrained``; most families have none."""
 
+    def param_groups(self, params: list, lr: float) -> list[dict]:
+        """The optimizer's parameter groups over the trainable ``params`` (the recipe's
+        ``train.lr`` is ``lr``): one group, unless a family trains parts at other rates."""
+        return [{"params": params}]
+
     def step_weights(self) -> torch.Tensor:
         """``[S]`` loss weight of each step."""
         return torch.ones(self.steps)

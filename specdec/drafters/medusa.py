@@ -89,8 +89,13 @@ class MedusaConfig(DrafterConfig):
         ["q_proj", "v_proj"], "Medusa-2: the backbone's projections that get adapters."
     )
     backbone_weight: float = option(
-        0.2, "Medusa-2: loss weight of the self-distillation term, the adapted backbone's "
-        "next-token distribution against the original target's.", ge=0,
+        5.0, "Medusa-2: loss weight of the adapted backbone's self-distillation to the "
+        "target, head 1's being 1 (5: the Medusa paper's heads at 0.2; lower lets the heads "
+        "pull the backbone away from the target).", ge=0,
+    )  # fmt: skip
+    adapter_lr_scale: float = option(
+        0.25, "Medusa-2: the adapters' learning rate over train.lr, the heads' (the Medusa "
+        "paper's heads run at 4x the backbone's).", gt=0,
     )  # fmt: skip
 
     gradient_checkpointing: bool = option(
@@ -135,7 +140,7 @@ class MedusaDrafter(TrainableDrafter):
         vocab_size: int,
         head_weight_decay: float = 0.8,
         backbone=None,
-        backbone_weight: float = 0.2,
+        backbone_weight: float = 5.0,
     ):
         self.model = model
         self.required_target_layers = (target_layer,)
@@ -144,7 +149,7 @@ class MedusaDrafter(TrainableDrafter):
         self.steps = model.cfg["num_heads"]
         self.decay = head_weight_decay
         self.backbone, self.backbone_weight = backbone, backbone_weight
-        self.adapted = None
+        self.adapted, self.adapter_lr_scale = None, 1.0
         if backbone is not None:  # Medusa-2: step 0 is the adapted backbone's next token
             from specdec.drafters.medusa_adapted import AdaptedHeads
 
@@ -191,7 +196,17 @@ class MedusaDrafter(TrainableDrafter):
             cfg.backbone_weight,
         )  # fmt: skip
 
+    def param_groups(self, params: list, lr: float) -> list[dict]:
+        if self.adapted is None:
+            return [{"params": params}]
+        adapters = {id(p) for p in self.adapted.adapters.values()}
+        return [
+            {"params": [p for p in params if id(p) not in adapters]},
+            {"params": [p for p in params if id(p) in adapters], "lr": lr * self.adapter_lr_scale},
+        ]
+
     def prepare_training(self, config: MedusaConfig) -> None:
+        self.adapter_lr_scale = config.adapter_lr_scale
         if not config.gradient_checkpointing:
             return
         if self.backbone is None:
@@ -231,7 +246,7 @@ class MedusaDrafter(TrainableDrafter):
                 backbone = load_adapter(target.model, path / ADAPTER_DIR)
             except (OSError, ValueError, KeyError, RuntimeError) as err:
                 raise ModelError(f"{path}: unreadable Medusa-2 adapter ({err})") from None
-        weight = saved.get("backbone_weight", 0.2)
+        weight = saved.get("backbone_weight", 5.0)
         return cls(model, layer, draft_ids, target.vocab_size, decay, backbone, weight)
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:

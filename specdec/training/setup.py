@@ -148,7 +148,8 @@ def setup(recipe: Recipe) -> Run:
         sharding.shard(drafter.module, accelerator.device, accelerator.mixed_precision)
     drafter.module.train()
     trainable = [p for p in drafter.module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    groups = drafter.param_groups(trainable, cfg.lr)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(
         "constant_with_warmup" if cfg.schedule == "constant" else cfg.schedule,
         optimizer,
