@@ -303,7 +303,7 @@ def test_trains_adapters_and_heads_only_and_scores_against_the_adapted_backbone(
 
 def test_param_groups_put_the_adapters_at_their_rate(target):
     drafter = medusa2(target)
-    drafter.prepare_training(MedusaConfig(lora_rank=4, adapter_lr_scale=0.1))
+    drafter.prepare_training(MedusaConfig(lora_rank=4, adapter_lr_scale=0.1), target)
     named = [(n, p) for n, p in drafter.module.named_parameters() if p.requires_grad]
     heads, adapters = drafter.param_groups([p for _, p in named], lr=2e-3)
     assert "lr" not in heads and adapters["lr"] == pytest.approx(2e-4)
@@ -343,7 +343,7 @@ def test_gradient_checkpointing_recomputes_the_backbone_with_the_same_gradients(
     def run(checkpointing: bool):
         drafter = medusa2(target, adapter_scale=0.1)
         if checkpointing:
-            drafter.prepare_training(MedusaConfig(lora_rank=4, gradient_checkpointing=True))
+            drafter.prepare_training(MedusaConfig(lora_rank=4, gradient_checkpointing=True), target)
         layers = [
             m
             for m in drafter.backbone.get_base_model().modules()
@@ -378,6 +378,29 @@ def test_gradient_checkpointing_recomputes_the_backbone_with_the_same_gradients(
     assert not any(m.training for m in target.model.modules())
 
 
+def test_medusa1_heads_from_pretrained_train_on_as_medusa2(target, tmp_path):
+    torch.manual_seed(0)
+    first = drafters.build(target, MedusaConfig(num_heads=2))
+    with torch.no_grad():  # trained heads, no longer the target's read-out
+        for name, p in first.model.named_parameters():
+            if name.startswith("blocks."):
+                p.add_(0.05 * torch.randn_like(p))
+    ckpt = first.save(tmp_path / "medusa1", target_name=target.name)
+    cfg = MedusaConfig(from_pretrained=str(ckpt), lora_rank=4, backbone_weight=3.0)
+    drafter = drafters.for_recipe(cfg, target, None)
+    assert drafter.adapts_target and (drafter.steps, drafter.shift) == (3, 0)
+    assert drafter.step_weights().tolist() == pytest.approx([3.0, 1.0, 0.8])
+    ids = [3, 14, 15, 9, 2, 6]
+    with torch.no_grad():
+        steps = drafter.module(torch.tensor([ids]), None)
+        heads = first.model(None, None, [last_hidden(target, ids)[None]])
+        own = target.model(torch.tensor([ids])).logits
+    torch.testing.assert_close(steps[0], own, atol=1e-5, rtol=1e-5)  # B = 0: the target
+    torch.testing.assert_close(steps[1:], heads, atol=1e-5, rtol=1e-5)  # the loaded heads
+    trainable = {n for n, p in drafter.module.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trainable) and any(n.startswith("heads.") for n in trainable)
+
+
 def test_gradient_checkpointing_without_adapters_refused(target, tmp_path):
     from specdec.errors import ConfigError
 
@@ -387,7 +410,9 @@ def test_gradient_checkpointing_without_adapters_refused(target, tmp_path):
     heads = drafters.build(target, MedusaConfig(num_heads=2))
     ckpt = heads.save(tmp_path / "medusa1", target_name=target.name)
     cfg = MedusaConfig(from_pretrained=str(ckpt), gradient_checkpointing=True)
-    with pytest.raises(ConfigError, match=rf"{ckpt} holds Medusa-1 heads"):
+    with pytest.raises(
+        ConfigError, match=rf"{ckpt} holds Medusa-1 heads and drafter.lora_rank is 0"
+    ):
         drafters.for_recipe(cfg, target, None)
 
 

@@ -83,7 +83,7 @@ def for_recipe(config, target, dataset) -> TrainableDrafter:
                 f"drafter.from_pretrained: {path} holds a '{family}' drafter, not '{config.type}'"
             )
         drafter = load(path, target)
-    drafter.prepare_training(config)
+    drafter.prepare_training(config, target)
     return drafter
 
 

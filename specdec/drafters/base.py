@@ -245,9 +245,10 @@ class TrainableDrafter(Drafter):
         trainable module, unless it carries more than the layout: Medusa-2's adapters)."""
         return self.module
 
-    def prepare_training(self, config) -> None:
-        """Apply the recipe's training-only options (its ``drafter`` section), whether the
-        drafter was built fresh or loaded from ``from_pretrained``; most families have none."""
+    def prepare_training(self, config, target) -> None:
+        """Apply the recipe's training-only options (its ``drafter`` section) for ``target``,
+        whether the drafter was built fresh or loaded from ``from_pretrained``; most families
+        have none."""
 
     def param_groups(self, params: list, lr: float) -> list[dict]:
         """The optimizer's parameter groups over the trainable ``params`` (the recipe's

@@ -12,20 +12,18 @@ Training face: S = K steps, step s at row t predicts token t + 2 + s from the ta
 (``shift = 1``); the teacher is the target's distribution at row t + 1 + s (soft targets), the
 loss weight of head s is ``decay ** s``.
 
-Decoding face: the heads read the target's features of the last verified position, which the
-verify forward already computed, so drafting costs small matrix products and no forward of a
-model (on a CPU from a float16 copy of the heads, ``eval.draft_forward``). A chain takes head
-i's token at depth i + 1, running head i only when it drafts that depth (a confidence stop
-saves the later heads); a tree (Medusa's static "choices", or a dynamic tree by path
-probability) gives every node at depth d the children of head d. The
-heads' draws at different depths are independent of each other; q at depth d is head d's
-processed distribution, whatever the tokens before it, which is a valid proposal for the
-rejection rule (it only needs the law each token was drawn from), so decoding stays exact.
+Decoding face: the heads read the target's features of the last verified position (the
+verify forward computed them): small products, no model forward (on a CPU from a float16 copy,
+``eval.draft_forward``). A chain takes head i's token at depth i + 1, running head i only when
+it drafts that depth; a tree (Medusa's static "choices", or dynamic by path probability) gives
+every node at depth d the children of head d. q at depth d is head d's processed distribution
+whatever the tokens before it, a valid proposal for the rejection rule: decoding stays exact.
 
 Medusa-2 (``lora_rank`` > 0; :mod:`specdec.drafters.medusa_adapted`): the heads train jointly
 with LoRA adapters on the backbone, step 0 being the adapted backbone's own next-token
 distribution distilled from the original target's; proposals are then verified by the
-adapted backbone, whose output it is.
+adapted backbone, whose output it is. Medusa-1 heads from ``from_pretrained`` train on as
+Medusa-2 when ``lora_rank`` > 0 (the paper's heads warm-up).
 
 Checkpoints: ``model.safetensors`` (the blocks, and the own LM head with the ``d2t`` / ``t2d``
 vocabulary maps), ``config.json``, ``drafter.json``, and for Medusa-2 ``adapter/`` (peft's
@@ -88,30 +86,19 @@ class MedusaConfig(DrafterConfig):
     lora_target_modules: list[str] = option(
         ["q_proj", "v_proj"], "Medusa-2: the backbone's projections that get adapters."
     )
-    backbone_weight: float = option(
-        5.0, "Medusa-2: loss weight of the adapted backbone's self-distillation to the "
-        "target, head 1's being 1 (5: the Medusa paper's heads at 0.2; lower lets the heads "
-        "pull the backbone away from the target).", ge=0,
-    )  # fmt: skip
-    adapter_lr_scale: float = option(
-        0.25, "Medusa-2: the adapters' learning rate over train.lr, the heads' (the Medusa "
-        "paper's heads run at 4x the backbone's).", gt=0,
-    )  # fmt: skip
-
-    gradient_checkpointing: bool = option(
-        False, "Medusa-2: recompute the backbone's decoder layers in the backward pass instead "
-        "of keeping their activations (less memory for a large target, about one more forward "
-        "of compute).",
-    )  # fmt: skip
+    backbone_weight: float = option(5.0, "Medusa-2: loss weight of the backbone's self-"
+        "distillation, head 1's being 1 (5: the paper's heads at 0.2).", ge=0)  # fmt: skip
+    adapter_lr_scale: float = option(0.25, "Medusa-2: the adapters' learning rate over "
+        "train.lr, the heads' (the paper's heads run at 4x the backbone's).", gt=0)  # fmt: skip
+    gradient_checkpointing: bool = option(False, "Medusa-2: recompute the backbone's layers "
+        "in the backward instead of keeping activations (less memory).")  # fmt: skip
 
     def check(self) -> None:
         if self.lora_rank and not self.lora_target_modules:
             raise Invalid("drafter.lora_target_modules", "empty: Medusa-2 adapts some projection")
         if self.gradient_checkpointing and not (self.lora_rank or self.from_pretrained):
-            raise Invalid(
-                "drafter.gradient_checkpointing", "Medusa-2 only (lora_rank > 0): Medusa-1 "
-                "runs no backward through the backbone",
-            )  # fmt: skip
+            raise Invalid("drafter.gradient_checkpointing", "Medusa-2 only (lora_rank > 0): "
+                          "Medusa-1 runs no backward through the backbone")  # fmt: skip
 
 
 class MedusaDrafter(TrainableDrafter):
@@ -148,14 +135,10 @@ class MedusaDrafter(TrainableDrafter):
         self.vocab_size = vocab_size
         self.steps = model.cfg["num_heads"]
         self.decay = head_weight_decay
-        self.backbone, self.backbone_weight = backbone, backbone_weight
+        self.backbone, self.backbone_weight = None, backbone_weight
         self.adapted, self.adapter_lr_scale = None, 1.0
-        if backbone is not None:  # Medusa-2: step 0 is the adapted backbone's next token
-            from specdec.drafters.medusa_adapted import AdaptedHeads
-
-            self.adapted = AdaptedHeads(model, backbone)
-            self.steps, self.shift = self.steps + 1, 0
-            self.adapts_target = True
+        if backbone is not None:
+            self._adapt(backbone)
         self.confidence, self.forward, self._copy = 0.0, "auto", DecodingCopy()
         self.decoder = model
         self.clock = Clock(next(model.parameters()).device)
@@ -199,24 +182,33 @@ class MedusaDrafter(TrainableDrafter):
     def param_groups(self, params: list, lr: float) -> list[dict]:
         if self.adapted is None:
             return [{"params": params}]
-        adapters = {id(p) for p in self.adapted.adapters.values()}
-        return [
-            {"params": [p for p in params if id(p) not in adapters]},
-            {"params": [p for p in params if id(p) in adapters], "lr": lr * self.adapter_lr_scale},
-        ]
+        return self.adapted.param_groups(params, lr * self.adapter_lr_scale)
 
-    def prepare_training(self, config: MedusaConfig) -> None:
+    def _adapt(self, backbone) -> None:
+        """Medusa-2: step 0 is the adapted ``backbone``'s next token, then the heads."""
+        from specdec.drafters.medusa_adapted import AdaptedHeads
+
+        self.backbone, self.adapted = backbone, AdaptedHeads(self.model, backbone)
+        self.steps, self.shift = self.model.cfg["num_heads"] + 1, 0
+        self.adapts_target = True
+
+    def prepare_training(self, config: MedusaConfig, target) -> None:
+        """Medusa-1 heads (``from_pretrained``) with ``lora_rank`` > 0 get adapters here."""
+        from specdec.drafters import medusa_adapted
+
         self.adapter_lr_scale = config.adapter_lr_scale
+        if self.backbone is None and config.lora_rank:
+            cfg, self.backbone_weight = config, config.backbone_weight
+            self._adapt(medusa_adapted.adapt(target.model, cfg.lora_rank, cfg.lora_alpha,
+                                             cfg.lora_target_modules))  # fmt: skip
         if not config.gradient_checkpointing:
             return
         if self.backbone is None:
             raise ConfigError(
-                f"drafter.gradient_checkpointing: {config.from_pretrained} holds Medusa-1 heads, "
-                "which run no backward through the backbone"
+                f"drafter.gradient_checkpointing: {config.from_pretrained} holds Medusa-1 heads "
+                "and drafter.lora_rank is 0: no backward runs through the backbone"
             )
-        from specdec.drafters.medusa_adapted import checkpoint_layers
-
-        checkpoint_layers(self.backbone)
+        medusa_adapted.checkpoint_layers(self.backbone)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, target) -> MedusaDrafter:

@@ -92,6 +92,15 @@ class AdaptedHeads(nn.Module):
         borrowed backbone, which runs them), while the heads are sharded."""
         return list(self.adapters.values())
 
+    def param_groups(self, params: list, adapter_lr: float) -> list[dict]:
+        """The optimizer's groups over ``params``: the heads at the run's rate, the adapters
+        at ``adapter_lr``."""
+        adapters = {id(p) for p in self.adapters.values()}
+        return [
+            {"params": [p for p in params if id(p) not in adapters]},
+            {"params": [p for p in params if id(p) in adapters], "lr": adapter_lr},
+        ]
+
     def forward(self, input_ids, attention_mask, features=None) -> torch.Tensor:
         backbone = self.backbone
         probe = next(backbone.buffers(), None)
