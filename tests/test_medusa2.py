@@ -410,9 +410,7 @@ def test_gradient_checkpointing_without_adapters_refused(target, tmp_path):
     heads = drafters.build(target, MedusaConfig(num_heads=2))
     ckpt = heads.save(tmp_path / "medusa1", target_name=target.name)
     cfg = MedusaConfig(from_pretrained=str(ckpt), gradient_checkpointing=True)
-    with pytest.raises(
-        ConfigError, match=rf"{ckpt} holds Medusa-1 heads and drafter.lora_rank is 0"
-    ):
+    with pytest.raises(ConfigError, match=re.escape(f"{ckpt} holds Medusa-1 heads and drafter")):
         drafters.for_recipe(cfg, target, None)
 
 
