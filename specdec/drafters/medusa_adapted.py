@@ -41,10 +41,10 @@ def adapt(target_model: nn.Module, rank: int, alpha: float, modules: list[str]):
     return get_peft_model(shallow_copy(target_model), config)
 
 
-def checkpoint_layers(backbone) -> int:
+def checkpoint_layers(backbone) -> None:
     """Recompute each of the adapted backbone's decoder layers in the backward pass instead of
-    keeping its activations (transformers' activation checkpointing, non-reentrant); returns how
-    many layers do. transformers checkpoints a layer only in training mode: the layers' own
+    keeping its activations (transformers' activation checkpointing, non-reentrant).
+    transformers checkpoints a layer only in training mode: the layers' own
     flag is set, their children (attention, MLP, any dropout) stay in eval mode, so the
     computation is unchanged. The backbone is a copy: the target's layers are not touched."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -52,10 +52,9 @@ def checkpoint_layers(backbone) -> int:
     model = backbone.get_base_model()
     enable = getattr(model, "activation_checkpointing_enable", None)
     (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for layer in layers:
-        layer.training = True
-    return len(layers)
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer):
+            layer.training = True
 
 
 def lora_settings(backbone) -> dict:
