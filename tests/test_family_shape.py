@@ -134,3 +134,53 @@ def test_sessions_verify_a_tree_and_keep_its_path(family, kind):
     torch.testing.assert_close(tree.extend([d]), chain.extend([d]), atol=1e-5, rtol=1e-4)
     tree.keep(range(p))  # a chain rollback is keep of a prefix
     assert tree.ids == prefix and tree.length == p
+
+
+ROW_READERS = {  # families whose trainable module skips the rows a loss does not read
+    "eagle3": dict(num_layers=2, ttt_steps=3, draft_vocab_size=48),  # 2 layers: see below
+    "medusa": dict(num_heads=3, lora_rank=0),
+    "mtp": dict(num_modules=2, draft_vocab_size=48, init_from_target=False),
+}
+
+
+@pytest.mark.parametrize("family", list(ROW_READERS))
+def test_rows_read_alone_give_the_full_forwards_logits_and_gradients(family):
+    """Given the rows a loss reads (``at``), a family's training forward gives at those rows
+    the logits of its forward over every row, and a loss over them the same gradients; the
+    other rows are zero. The reference is the forward without ``at``. EAGLE-3 has two layers
+    here: on its first step the first layer must still run at every row, since the second
+    layer's keys read all of them."""
+    target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
+    torch.manual_seed(0)
+    config = drafters.drafter_class(family).config_class(type=family, **ROW_READERS[family])
+    counts = torch.arange(target.vocab_size, 0, -1).float()
+    drafter = drafters.build(target, config, counts)
+    model, wanted = drafter.module, drafter.required_target_layers
+    with torch.no_grad():  # away from the start (zero blocks, identity copies)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, target.vocab_size, (2, 12), generator=generator)
+    attention = torch.ones_like(ids)
+    attention[1, 9:] = 0  # the second row is padded
+    at = torch.zeros_like(ids, dtype=torch.bool)
+    at[0, 4:10], at[1, [2, 5, 6]] = True, True  # an answer's span; scattered positions
+    out = target.forward(ids, attention, hidden_layers=wanted)
+    feats = [out.hidden_states[i] for i in wanted]
+    weights = torch.randn(3, int(at.sum()), generator=generator)
+
+    def run(rows):
+        model.zero_grad()
+        logits = model(ids, attention, feats, at=rows)  # [S, B, T, D]
+        picked = logits[:, at]  # [S, N, D]
+        (picked.log_softmax(-1)[..., 0] * weights[: len(picked)]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), grads
+
+    full, full_grads = run(None)
+    sparse, sparse_grads = run(at)
+    torch.testing.assert_close(sparse[:, at], full[:, at], atol=1e-5, rtol=1e-4)
+    assert torch.count_nonzero(sparse[:, ~at]) == 0
+    assert set(sparse_grads) == set(full_grads) and full_grads
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(sparse_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -10,8 +10,10 @@ sampling exact.
 
 Training face (:class:`TrainableDrafter`): the trainable module only (frozen parts borrowed
 from the target are referenced, neither trained nor saved); ``module(input_ids,
-attention_mask, features)`` returns S steps of draft logits ``[S, B, T, D]``, and
-``teacher(target_logits, loss_mask)`` the matching step-shifted targets and masks. Step s at
+attention_mask, features, at=None)`` returns S steps of draft logits ``[S, B, T, D]``
+(with ``at``, ``[B, T]`` booleans, only those rows are read: a family may leave the others
+zero and skip their work), and ``teacher(target_logits, loss_mask)`` the matching
+step-shifted targets and masks. Step s at
 row t predicts token ``t + 1 + shift + s``: a draft model (S = 1, shift 0) predicts the next
 token; EAGLE-3 (shift 1) reads the target's features at t and the token t + 1, and unrolls S
 steps on its own outputs. The trainer asks the target for ``required_target_layers`` and
@@ -364,6 +366,12 @@ def _restrict(log_p: torch.Tensor, best: torch.Tensor, ids: torch.Tensor | None)
     index = torch.full((log_p.shape[-1],), -1, dtype=torch.long, device=ids.device)
     index[ids] = torch.arange(len(ids), device=ids.device)
     return log_p.index_select(-1, ids), index[best]
+
+
+def spread(picked: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``[B, T, D]``: the values ``picked`` ``[N, D]`` of the rows ``at`` (``[B, T]``
+    booleans, N of them set, in ``x[at]``'s order) in place, zero elsewhere."""
+    return picked.new_zeros(*at.shape, picked.shape[-1]).index_put((at,), picked)
 
 
 def _shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:

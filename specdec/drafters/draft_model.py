@@ -92,8 +92,9 @@ class NextTokenModule(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask=None, features=()) -> torch.Tensor:
-        """``[1, B, T, D]`` logits (the target's features are not read)."""
+    def forward(self, input_ids, attention_mask=None, features=(), at=None) -> torch.Tensor:
+        """``[1, B, T, D]`` logits at every row (the target's features are not read; ``at``,
+        the rows read, saves nothing inside a transformers model)."""
         out = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits.unsqueeze(0)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.decoding.session import full_mask
+from specdec.drafters.base import spread
 
 
 class RMSNorm(nn.Module):
@@ -135,13 +136,19 @@ class Eagle3Model(nn.Module):
         cos, sin = self.rotary(probe, positions.view(1, -1))
         return cos[0].to(dtype), sin[0].to(dtype)
 
-    def forward(self, input_ids, attention_mask, features: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, input_ids, attention_mask, features: list[torch.Tensor], at=None
+    ) -> torch.Tensor:
         """Training-time test over whole sequences.
 
         Args:
             input_ids: ``[B, T]`` token ids.
             attention_mask: ``[B, T]`` padding mask (1 = real token), or None.
             features: the target's fused layers' outputs, each ``[B, T, Ht]``.
+            at: ``[B, T]`` booleans, the rows whose logits are read (where a step trains), or
+                None: every row. The other rows' logits are zero, and past their step-0 keys
+                nothing is computed for them: a row's later steps attend only to step 0's
+                keys and to the row's own earlier steps, so no read row depends on them.
 
         Returns:
             ``[S, B, T, D]`` logits; step s at row t predicts token t + 2 + s.
@@ -156,18 +163,27 @@ class Eagle3Model(nn.Module):
             causal = causal & attention_mask.bool()[:, None, None, :]
         caches: list[list] = [[] for _ in self.layers]
         positions = torch.arange(T, device=hidden.device)
+        rows = None if at is None else at.nonzero(as_tuple=True)  # (b, t) of the read rows
         out = []
         for s in range(self.cfg["steps"]):
             pad = embeds.new_zeros(B, min(1 + s, T), embeds.shape[-1])
             e = torch.cat([embeds[:, 1 + s :], pad], dim=1)  # row t: the token t + 1 + s
             cos, sin = self.rope(positions + s, hidden.dtype)
             x = hidden
-            for layer, cache in zip(self.layers, caches, strict=True):
+            for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
                 q, k, v = layer.qkv(x, e, cos, sin)
                 cache.append((k, v))
-                x = layer.finish(x, _ttt_attention(q, cache, causal))
+                attn = _ttt_attention(q, cache, causal)
+                if rows is None or (s == 0 and i < len(self.layers) - 1):
+                    x = layer.finish(x, attn)  # every row (the next layer's step-0 keys)
+                else:  # the read rows only; the others keep their input
+                    b, t = rows
+                    x = x.index_put(rows, layer.finish(x[b, t], attn[b, :, t].transpose(0, 1)))
             hidden = x
-            out.append(self.lm_head(self.norm(x)))
+            if rows is None:
+                out.append(self.lm_head(self.norm(x)))
+            else:
+                out.append(spread(self.lm_head(self.norm(x[rows])), at))
         return torch.stack(out)
 
     def decode(

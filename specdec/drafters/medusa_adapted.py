@@ -100,7 +100,7 @@ class AdaptedHeads(nn.Module):
             {"params": [p for p in params if id(p) in adapters], "lr": adapter_lr},
         ]
 
-    def forward(self, input_ids, attention_mask, features=None) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask, features=None, at=None) -> torch.Tensor:
         backbone = self.backbone
         probe = next(backbone.buffers(), None)
         if probe is not None and probe.device != input_ids.device:  # the target moved since
@@ -111,7 +111,7 @@ class AdaptedHeads(nn.Module):
             output_hidden_states=True,
             use_cache=False,
         )
-        heads = self.heads(None, None, [out.hidden_states[-1]])
+        heads = self.heads(None, None, [out.hidden_states[-1]], at=at)
         own = out.logits.to(heads.dtype)
         if heads.shape[-1] != own.shape[-1]:
             return [own, *heads]

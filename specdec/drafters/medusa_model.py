@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec.drafters.base import spread
+
 
 class ResBlock(nn.Module):
     """``x + SiLU(W x + b)``, started at zero (the identity)."""
@@ -50,10 +52,16 @@ class MedusaHeads(nn.Module):
         weight = self._borrowed[0].weight.detach()
         return nn.functional.linear(x, weight.to(x.dtype))
 
-    def forward(self, input_ids, attention_mask, features: list[torch.Tensor]) -> torch.Tensor:
-        """``[S, B, T, D]``: head s at row t, from the target's last hidden state at t."""
+    def forward(
+        self, input_ids, attention_mask, features: list[torch.Tensor], at=None
+    ) -> torch.Tensor:
+        """``[S, B, T, D]``: head s at row t, from the target's last hidden state at t; with
+        ``at`` (``[B, T]`` booleans) computed at those rows only, zero elsewhere."""
         h = features[0].to(self.blocks[0][0].linear.weight.dtype)
-        return torch.stack([self.read_out(block(h)) for block in self.blocks])
+        if at is None:
+            return torch.stack([self.read_out(block(h)) for block in self.blocks])
+        h = h[at]
+        return torch.stack([spread(self.read_out(block(h)), at) for block in self.blocks])
 
     @torch.inference_mode()
     def heads(self, h: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.drafters.base import spread
 from specdec.drafters.eagle3_model import DraftLayer, RMSNorm
 
 
@@ -105,13 +106,18 @@ class MTPModel(nn.Module):
         cos, sin = self.rotary(probe, positions.view(1, -1))
         return cos[0].to(probe.dtype), sin[0].to(probe.dtype)
 
-    def forward(self, input_ids, attention_mask, features: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, input_ids, attention_mask, features: list[torch.Tensor], at=None
+    ) -> torch.Tensor:
         """``[D, B, T, V]``: module k at row t predicts token t + k + 1 (k = 1..D).
 
         Args:
             input_ids: ``[B, T]`` token ids.
             attention_mask: ``[B, T]`` padding mask (1 = real token), or None.
             features: ``[h]``, the target's last hidden state ``[B, T, H]``.
+            at: ``[B, T]`` booleans, the rows whose logits are read, or None (every row).
+                The modules run at every row (a module's keys are every row's); the shared
+                LM head only at those, the other rows' logits zero.
         """
         hidden = features[0].to(self.dtype)
         B, T = input_ids.shape
@@ -125,7 +131,9 @@ class MTPModel(nn.Module):
             pad = embeds.new_zeros(B, min(k, T), embeds.shape[-1])
             e = torch.cat([embeds[:, k:], pad], dim=1)  # row t: the token t + k
             hidden, normed = module(hidden, e, cos, sin, causal)
-            out.append(self.read_out(normed))
+            out.append(
+                self.read_out(normed) if at is None else spread(self.read_out(normed[at]), at)
+            )
         return torch.stack(out)
 
     @torch.inference_mode()

@@ -102,14 +102,20 @@ def drafter_loss(
             target_logits[wanted] = out.logits
             teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
             features = [out.hidden_states[i] for i in layers]
-    logits = model(ids, attention, features)  # [S, B, T, D] (or S tensors of their widths)
+    # [S, B, T, D] (or S tensors of their widths), read only where a step trains
+    logits = model(ids, attention, features, at=teacher.mask.bool().any(dim=0))
     weights = drafter.step_weights()
     loss, metrics = 0.0, {}
     for s in range(len(logits)):
-        draft, mask = logits[s].float(), teacher.mask[s]
+        # the positions step s trains as one row, [1, N, D]: no loss or metric spends work
+        # on the others
+        trained = teacher.mask[s].bool()
+        draft, log_p = logits[s][trained].float()[None], teacher.log_probs[s][trained][None]
+        tokens = teacher.tokens[s][trained][None]
+        mask = torch.ones_like(tokens, dtype=teacher.mask.dtype)
         step_loss, parts = distill_loss(
             draft,
-            teacher.log_probs[s],
+            log_p,
             mask,
             mix=loss_cfg.mix or {loss_cfg.name: 1.0},
             temperature=loss_cfg.temperature,
@@ -122,18 +128,19 @@ def drafter_loss(
         at = "" if s == 0 else f"@{s + 1}"
         # the target's full-vocabulary argmax as a draft index, -1 outside it: a miss there,
         # as when decoding
-        agree = (draft.argmax(dim=-1) == teacher.tokens[s]) & mask.bool()  # [B, T]
+        agree = draft.argmax(dim=-1) == tokens  # [1, N]
         metrics[f"train/acc@{s + 1}"] = agree.sum() / num_tokens[s] / processes
-        top5 = draft.topk(min(5, draft.shape[-1]), dim=-1).indices  # [B, T, 5]
-        within = (top5 == teacher.tokens[s].unsqueeze(-1)).any(-1) & mask.bool()
+        top5 = draft.topk(min(5, draft.shape[-1]), dim=-1).indices  # [1, N, 5]
+        within = (top5 == tokens.unsqueeze(-1)).any(-1)
         metrics[f"train/top5@{s + 1}"] = within.sum() / num_tokens[s] / processes
-        accept = acceptance_rate(draft, teacher.log_probs[s], mask)
+        accept = acceptance_rate(draft, log_p, mask)
         metrics[f"train/expected_accept{at}"] = accept * share
         if s == 0:
             metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
-            outside = (teacher.tokens[0] < 0).float()
-            metrics["train/out_of_vocab"] = masked_mean(outside, mask) * share
-            rows = (agree.sum(dim=1), mask.sum(dim=1))  # per row: agreements, positions
+            metrics["train/out_of_vocab"] = masked_mean((tokens < 0).float(), mask) * share
+            row = trained.nonzero(as_tuple=True)[0]  # the batch row of each position
+            B = trained.shape[0]  # per row: agreements, positions
+            rows = (torch.bincount(row[agree[0]], minlength=B), torch.bincount(row, minlength=B))
     return loss, {"train/loss": loss.detach() / processes, **metrics}, rows
 
 
