@@ -4,8 +4,10 @@ On the same micro-batches of a recipe's data, one process, interleaved in blocks
 the same machine: (a) the target's no-grad forward alone (what the online step cannot beat),
 (b) a training step with the target online (target forward, drafter forward and backward,
 optimizer), (c) the same step with the teacher read from the recipe's teacher cache (reading
-and unpacking the shards is inside the timing). Prints tokens/s, the cache's speedup over
-online, and peak memory. Not a test: a measurement.
+and unpacking the shards is inside the timing); with ``--every-row`` also (d) the cache step
+with the drafter computing every row, not only the rows a step trains (what skipping the
+others saves). Prints tokens/s, the cache's speedup over online, and peak memory. Not a test:
+a measurement.
 
     python bench/train_throughput.py --config recipes/smollm2-135m/eagle3.yaml --steps 12
 
@@ -43,6 +45,9 @@ def main() -> None:
     parser.add_argument("--config", default="recipes/smollm2-135m/demo.yaml")
     parser.add_argument("--steps", type=int, default=12, help="micro-batches timed per mode")
     parser.add_argument("--block", type=int, default=4, help="micro-batches per turn of a mode")
+    parser.add_argument(
+        "--every-row", action="store_true", help="also time the cache step computing every row"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     recipe = load_recipe(args.config, args.overrides)
@@ -72,10 +77,13 @@ def main() -> None:
             target.forward(b["input_ids"], b["attention_mask"], hidden_layers=layers)
         return int(b["attention_mask"].sum())
 
-    def train_step(i: int, with_cache: bool) -> int:  # the training loop's own loss
+    def every_row(*args, at=None):  # the drafter's forward told nothing of the rows read
+        return model(*args)
+
+    def train_step(i: int, with_cache: bool, forward=model) -> int:  # the loop's own loss
         b = batch(i, with_cache)
         counts = drafter.loss_masks(b["loss_mask"]).sum(dim=(1, 2)).float()
-        loss, _, _ = drafter_loss(drafter, model, target, b, recipe.loss, counts)
+        loss, _, _ = drafter_loss(drafter, forward, target, b, recipe.loss, counts)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -86,6 +94,8 @@ def main() -> None:
         "training step, online": lambda i: train_step(i, False),
         "training step, cache": lambda i: train_step(i, True),
     }
+    if args.every_row:
+        modes["cache, every row"] = lambda i: train_step(i, True, every_row)
     seconds = dict.fromkeys(modes, 0.0)
     tokens = dict.fromkeys(modes, 0)
     for step in modes.values():
