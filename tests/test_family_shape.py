@@ -184,3 +184,44 @@ def test_rows_read_alone_give_the_full_forwards_logits_and_gradients(family):
     assert set(sparse_grads) == set(full_grads) and full_grads
     for name, grad in full_grads.items():
         torch.testing.assert_close(sparse_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_per_row_agreements_of_a_micro_batch():
+    """The loss's per-row counts, from which the per-source metrics are summed: each row's
+    positions trained by the first draft step, and those where the draft's argmax is the
+    target's, counted here from the full forward and the target's own logits (EAGLE-3's
+    first step at row t predicts token t + 2, which the target's logits at t + 1 give). The
+    target's read-out is zero (its argmax: token 0 everywhere) and the draft's favours token 0
+    where its normed state sums above zero, so about half the positions agree."""
+    from specdec.config.schema import LossConfig
+    from specdec.training.step import drafter_loss
+
+    target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
+    torch.manual_seed(0)
+    config = drafters.drafter_class("eagle3").config_class(draft_vocab_size=None, ttt_steps=2)
+    drafter = drafters.build(target, config)
+    model, layers = drafter.module, drafter.required_target_layers
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        model.lm_head.weight[0] = 100.0
+        head = target.model.lm_head
+        target.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+        target.model.lm_head.weight.zero_()
+    ids = torch.randint(0, target.vocab_size, (3, 12), generator=torch.Generator().manual_seed(5))
+    attention = torch.ones_like(ids)
+    attention[2, 8:] = 0
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[0, 3:], loss_mask[1, 6:9], loss_mask[2, 4:8] = 1, 1, 1
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    counts = drafter.loss_masks(loss_mask).sum(dim=(1, 2)).float()
+    _, _, (agree, count) = drafter_loss(drafter, model, target, batch, LossConfig(), counts)
+
+    with torch.no_grad():
+        out = target.forward(ids, attention, hidden_layers=layers)
+        draft = model(ids, attention, [out.hidden_states[i] for i in layers])[0]  # [B, T, V]
+    trained = loss_mask[:, 2:].bool()  # row t trains where token t + 2 is an answer's
+    hits = draft[:, :-2].argmax(-1) == out.logits[:, 1:-1].argmax(-1)
+    assert count.tolist() == trained.sum(dim=1).tolist() == [9, 3, 4]
+    assert agree.tolist() == (hits & trained).sum(dim=1).tolist()
+    assert 0 < sum(agree.tolist()) < sum(count.tolist())  # neither all nor none agree

@@ -237,8 +237,8 @@ class TrainableDrafter(Drafter):
 
     @property
     def module(self) -> torch.nn.Module:
-        """The trainable module: ``module(input_ids, attention_mask, features)`` returns
-        ``[S, B, T, D]`` logits."""
+        """The trainable module: ``module(input_ids, attention_mask, features, at=None)``
+        returns ``[S, B, T, D]`` logits (read only at the rows ``at``, when given)."""
         raise NotImplementedError
 
     @property

@@ -146,9 +146,11 @@ class Eagle3Model(nn.Module):
             attention_mask: ``[B, T]`` padding mask (1 = real token), or None.
             features: the target's fused layers' outputs, each ``[B, T, Ht]``.
             at: ``[B, T]`` booleans, the rows whose logits are read (where a step trains), or
-                None: every row. The other rows' logits are zero, and past their step-0 keys
-                nothing is computed for them: a row's later steps attend only to step 0's
-                keys and to the row's own earlier steps, so no read row depends on them.
+                None: every row. The other rows' logits are zero, and only their keys and
+                attention are computed (on step 0, every layer but the last runs there in
+                full: the next layer's keys read them); their output projection, MLP and LM
+                head are skipped. A row's later steps attend only to step 0's keys and to the
+                row's own earlier steps, so no read row depends on what is skipped.
 
         Returns:
             ``[S, B, T, D]`` logits; step s at row t predicts token t + 2 + s.

@@ -139,8 +139,8 @@ def drafter_loss(
             metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
             metrics["train/out_of_vocab"] = masked_mean((tokens < 0).float(), mask) * share
             row = trained.nonzero(as_tuple=True)[0]  # the batch row of each position
-            B = trained.shape[0]  # per row: agreements, positions
-            rows = (torch.bincount(row[agree[0]], minlength=B), torch.bincount(row, minlength=B))
+            hits = torch.zeros(trained.shape[0], dtype=torch.long, device=row.device)
+            rows = (hits.index_add_(0, row, agree[0].long()), trained.sum(dim=1))  # per row
     return loss, {"train/loss": loss.detach() / processes, **metrics}, rows
 
 
