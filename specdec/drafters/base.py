@@ -13,11 +13,10 @@ from the target are referenced, neither trained nor saved); ``module(input_ids,
 attention_mask, features, at=None)`` returns S steps of draft logits ``[S, B, T, D]``
 (with ``at``, ``[B, T]`` booleans, only those rows are read: a family may leave the others
 zero and skip their work), and ``teacher(target_logits, loss_mask)`` the matching
-step-shifted targets and masks. Step s at
-row t predicts token ``t + 1 + shift + s``: a draft model (S = 1, shift 0) predicts the next
-token; EAGLE-3 (shift 1) reads the target's features at t and the token t + 1, and unrolls S
-steps on its own outputs. The trainer asks the target for ``required_target_layers`` and
-knows no family.
+step-shifted targets and masks. Step s at row t predicts token ``t + 1 + shift + s``: a
+draft model (S = 1, shift 0) predicts the next token; EAGLE-3 (shift 1) reads the target's
+features at t and the token t + 1, and unrolls S steps on its own outputs. The trainer asks
+the target for ``required_target_layers`` and knows no family.
 """
 
 from __future__ import annotations
