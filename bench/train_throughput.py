@@ -6,8 +6,9 @@ the same machine: (a) the target's no-grad forward alone (what the online step c
 optimizer), (c) the same step with the teacher read from the recipe's teacher cache (reading
 and unpacking the shards is inside the timing); with ``--every-row`` also (d) the cache step
 with the drafter computing every row, not only the rows a step trains (what skipping the
-others saves). Prints tokens/s, the cache's speedup over online, and peak memory. Not a test:
-a measurement.
+others saves). Prints tokens/s, the cache's speedup over online, and peak memory; with
+``--profile N``, then where N cache steps spend their time, by operator. Not a test: a
+measurement.
 
     python bench/train_throughput.py --config recipes/smollm2-135m/eagle3.yaml --steps 12
 
@@ -48,6 +49,10 @@ def main() -> None:
     parser.add_argument(
         "--every-row", action="store_true", help="also time the cache step computing every row"
     )
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="afterwards, profile N cache steps and print the operators that cost most",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     recipe = load_recipe(args.config, args.overrides)
@@ -118,6 +123,13 @@ def main() -> None:
     for name, tps in rate.items():
         print(f"{name:<24}{tps:>10.1f} tokens/s{tps / online:>8.2f}x of online training")
     print(f"peak memory (all modes, one process) {peak_memory_mb(target.device):.0f} MiB")
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            for i in range(args.steps + 1, args.steps + 1 + args.profile):
+                train_step(i, True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 if __name__ == "__main__":
