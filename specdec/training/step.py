@@ -103,16 +103,16 @@ def drafter_loss(
             teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
             features = [out.hidden_states[i] for i in layers]
     # [S, B, T, D] (or S tensors of their widths), read only where a step trains
-    logits = model(ids, attention, features, at=teacher.mask.bool().any(dim=0))
+    logits = model(ids, attention, features, at=teacher.mask.any(dim=0))
     weights = drafter.step_weights()
     loss, metrics = 0.0, {}
     for s in range(len(logits)):
         # the positions step s trains as one row, [1, N, D]: no loss or metric spends work
         # on the others
-        trained = teacher.mask[s].bool()
+        trained = teacher.mask[s]  # [B, T] booleans
         draft, log_p = logits[s][trained].float()[None], teacher.log_probs[s][trained][None]
         tokens = teacher.tokens[s][trained][None]
-        mask = torch.ones_like(tokens, dtype=teacher.mask.dtype)
+        mask = torch.ones_like(tokens, dtype=torch.bool)
         step_loss, parts = distill_loss(
             draft,
             log_p,
