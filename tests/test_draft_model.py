@@ -5,6 +5,7 @@ with it, save/load round trips, atomic saves and plain-transformers compatibilit
 import json
 
 import pytest
+import teachers
 import tiny_models
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -71,7 +72,7 @@ def test_build_copies_the_chosen_target_layers(target):
     teacher = drafter.teacher(target(ids).logits, torch.ones_like(ids))
     # one step; row t is the target's distribution after token t, trained where t + 1 counts
     want = torch.log_softmax(target(ids).logits, -1)
-    torch.testing.assert_close(teacher.log_probs[0], want)
+    torch.testing.assert_close(teachers.grid(teacher, 0)[0][:, :4], want[:, :4])
     assert teacher.mask[0].tolist() == [[True] * 4 + [False]] * 2
 
 
@@ -147,11 +148,12 @@ def test_reduced_vocabulary(target):
     full = target(ids).logits
     teacher = drafter.teacher(full, torch.ones_like(ids))
     # the target's full-vocabulary log-probabilities read at the draft's tokens
-    torch.testing.assert_close(teacher.log_probs[0], torch.log_softmax(full, -1)[..., vocab_map])
-    best = full.argmax(-1)
+    log_p, tokens = (x[:, :5] for x in teachers.grid(teacher, 0))  # row 5: no next token
+    torch.testing.assert_close(log_p, torch.log_softmax(full, -1)[:, :5, vocab_map])
+    best = full[:, :5].argmax(-1)
     inside = torch.isin(best, vocab_map)
-    assert torch.equal(teacher.tokens[0] >= 0, inside)
-    assert torch.equal(vocab_map[teacher.tokens[0][inside]], best[inside])
+    assert torch.equal(tokens >= 0, inside)
+    assert torch.equal(vocab_map[tokens[inside]], best[inside])
 
     with pytest.raises(ValueError, match="token_counts"):
         build_draft_model(target, DraftModelConfig(num_layers=1, draft_vocab_size=D))

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import teachers
 import tiny_models
 import torch
 from safetensors.torch import load_file, save_file
@@ -67,21 +68,32 @@ def test_training_time_test_equals_cached_decoding(target):
             x = model.decode(model.embedding(token), x, t + 1 + s, cache)
 
 
-def test_teacher_is_the_target_shifted_by_one_plus_step(target):
+@pytest.mark.parametrize("rows", ["every row", "rows read"])
+def test_teacher_is_the_target_shifted_by_one_plus_step(target, rows):
+    """The teacher from the target's logits at every row, or only at the rows some step
+    reads (those before an answer's token, as the training step computes them)."""
     drafter = head(target, draft_vocab_size=64, ttt_steps=3)
     ids = torch.randint(0, target.vocab_size, (2, 9))
     logits = target.forward(ids).logits
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1, 1]])
-    teacher = drafter.teacher(logits, loss_mask)
-    assert teacher.log_probs.shape == (3, 2, 9, 64) and teacher.mask.shape == (3, 2, 9)
+    if rows == "every row":
+        teacher = drafter.teacher(logits, loss_mask)
+    else:
+        read = torch.zeros_like(loss_mask, dtype=torch.bool)
+        read[:, :-1] = loss_mask[:, 1:].bool()
+        teacher = drafter.teacher(logits[read], loss_mask, at=read)
+    assert teacher.mask.shape == (3, 2, 9)
     ids_d = drafter.draft_ids
     full = torch.log_softmax(logits.float(), -1)
     for s in range(3):
+        step_p = teachers.grid(teacher, s)[0]
+        assert step_p.shape == (2, 9, 64)
         for t in range(9):
             # step s at row t predicts token t + 2 + s: the target's row t + 1 + s
             if t + 2 + s < 9:
-                torch.testing.assert_close(teacher.log_probs[s, :, t], full[:, t + 1 + s, ids_d])
                 assert teacher.mask[s, :, t].tolist() == loss_mask[:, t + 2 + s].bool().tolist()
+                where = teacher.mask[s, :, t]
+                torch.testing.assert_close(step_p[where, t], full[where, t + 1 + s][:, ids_d])
             else:
                 assert not teacher.mask[s, :, t].any()
 
@@ -205,11 +217,15 @@ def _trained(target):
     ids = torch.stack(rows)
     out, feats = features(target, drafter, ids)
     teacher = drafter.teacher(out.logits, torch.ones_like(ids))
+    probs = [teacher.at(s)[0].exp() for s in range(drafter.steps)]  # [N_s, D] each
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(150):
         logits = model(ids, torch.ones_like(ids), feats)
-        loss = -(teacher.log_probs.exp() * torch.log_softmax(logits, -1)).sum(-1)
-        loss = loss[teacher.mask].mean()
+        per_step = [
+            -(p * torch.log_softmax(step[teacher.mask[s]], -1)).sum(-1)
+            for s, (p, step) in enumerate(zip(probs, logits, strict=True))
+        ]
+        loss = torch.cat(per_step).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import teachers
 import tiny_models
 import torch
 from safetensors.torch import load_file
@@ -75,7 +76,9 @@ def test_teacher_and_weights_put_the_backbone_first(target):
     teacher = drafter.teacher(logits, torch.ones(1, 8))
     log_p = torch.log_softmax(logits, -1)
     for s in range(4):  # step 0: the next token (row t); head s - 1: the token t + 1 + s
-        torch.testing.assert_close(teacher.log_probs[s, 0, : 8 - 1 - s], log_p[0, s:7])
+        log_p_s = teachers.grid(teacher, s)[0]
+        torch.testing.assert_close(log_p_s[0, : 8 - 1 - s], log_p[0, s:7])
+        assert teacher.mask[s, 0].tolist() == [True] * (8 - 1 - s) + [False] * (1 + s)
     assert drafter.step_weights().tolist() == pytest.approx([0.3, 1.0, 0.8, 0.64])
 
 
@@ -101,18 +104,20 @@ def test_heads_over_a_reduced_vocabulary_keep_the_backbone_step_full(target):
     logits = torch.randn(1, 8, target.vocab_size, generator=torch.Generator().manual_seed(1))
     teacher = drafter.teacher(logits, torch.ones(1, 8))
     log_p = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(teacher.log_probs[0][0, :7], log_p[0, :7])
-    assert torch.equal(teacher.tokens[0][0, :7], log_p[0, :7].argmax(-1))
+    step_p, step_t = teachers.grid(teacher, 0)
+    torch.testing.assert_close(step_p[0, :7], log_p[0, :7])
+    assert torch.equal(step_t[0, :7], log_p[0, :7].argmax(-1))
     for s in range(1, 4):
-        torch.testing.assert_close(teacher.log_probs[s][0, : 8 - 1 - s], log_p[0, s:7, :50])
+        step_p, step_t = teachers.grid(teacher, s)
+        torch.testing.assert_close(step_p[0, : 8 - 1 - s], log_p[0, s:7, :50])
         best = log_p[0, s:7].argmax(-1)
-        assert torch.equal(teacher.tokens[s][0, : 8 - 1 - s], torch.where(best < 50, best, -1))
+        assert torch.equal(step_t[0, : 8 - 1 - s], torch.where(best < 50, best, -1))
     # a teacher cache is read over teacher_vocab: here the full vocabulary, for step 0
     assert drafter.teacher_vocab is None
     cached = drafter.shifted_teacher(log_p, log_p.argmax(-1), torch.ones(1, 8))
     for s in range(4):
-        assert torch.equal(cached.log_probs[s], teacher.log_probs[s])
-        assert torch.equal(cached.tokens[s], teacher.tokens[s])
+        for read, computed in zip(cached.at(s), teacher.at(s), strict=True):
+            assert torch.equal(read, computed)
 
 
 def test_verifier_is_the_adapted_backbone_and_decoding_is_its_greedy_output(target):

@@ -6,6 +6,7 @@ Tiny random Llama and Qwen2 targets."""
 from __future__ import annotations
 
 import pytest
+import teachers
 import tiny_models
 import torch
 from test_medusa import SESSIONS, last_hidden
@@ -64,7 +65,9 @@ def test_teacher_of_module_k_is_the_target_k_plus_one_ahead(target):
     teacher = drafter.teacher(logits, torch.ones(1, 8))
     log_p = torch.log_softmax(logits, -1)
     for s in range(2):  # module s + 1 at row t predicts token t + s + 2: target row t + s + 1
-        torch.testing.assert_close(teacher.log_probs[s, 0, : 8 - 2 - s], log_p[0, 1 + s : 7])
+        log_p_s = teachers.grid(teacher, s)[0]
+        torch.testing.assert_close(log_p_s[0, : 8 - 2 - s], log_p[0, 1 + s : 7])
+        assert teacher.mask[s, 0].tolist() == [True] * (8 - 2 - s) + [False] * (2 + s)
 
 
 #: how far a proposal's q may be from the training forward's, per decoding forward, in total

@@ -11,9 +11,9 @@ sampling exact.
 Training face (:class:`TrainableDrafter`): the trainable module only (frozen parts borrowed
 from the target are referenced, neither trained nor saved); ``module(input_ids,
 attention_mask, features, at=None)`` returns S steps of draft logits ``[S, B, T, D]``
-(with ``at``, ``[B, T]`` booleans, only those rows are read: a family may leave the others
-zero and skip their work), and ``teacher(target_logits, loss_mask)`` the matching
-step-shifted targets and masks. Step s at row t predicts token ``t + 1 + shift + s``: a
+(with ``at``, ``[B, T]`` booleans, ``[S, N, D]`` at those N rows alone, in ``x[at]``'s order:
+a family skips what only the others need), and ``teacher(target_logits, loss_mask)`` the
+matching step-shifted targets and masks. Step s at row t predicts token ``t + 1 + shift + s``: a
 draft model (S = 1, shift 0) predicts the next token; EAGLE-3 (shift 1) reads the target's
 features at t and the token t + 1, and unrolls S steps on its own outputs. The trainer asks
 the target for ``required_target_layers`` and knows no family.
@@ -204,23 +204,36 @@ class Drafter:
         return {}
 
 
-@dataclass
 class Teacher:
-    """The targets of S draft steps, aligned with the drafter's ``[S, B, T, D]`` logits.
+    """The targets of S draft steps: step s at row t learns the target's distribution at row
+    ``t + shift + s``, where ``mask[s]`` (``[S, B, T]`` booleans) sets (b, t).
 
-    Attributes:
-        log_probs: ``[S, B, T, D]`` the target's log-probabilities over the full vocabulary,
-            read at the draft's D tokens (their sum is below 1 where the target puts mass
-            outside them; a loss renormalises them, acceptance metrics do not); a list of S
-            ``[B, T, D_s]`` where the steps' vocabularies differ.
-        tokens: ``[S, B, T]`` the target's argmax as a draft index, -1 where it lies outside
-            the draft vocabulary (a position no draft can get right); a list likewise.
+    It holds the target's log-probabilities only at the rows some step reads, once; each step
+    gathers its own rows (:meth:`at`), so no shifted ``[S, B, T, D]`` copy is ever made.
+
+    Args:
+        log_p: ``[R, D]`` the target's log-probabilities over the full vocabulary, read at the
+            teacher's D tokens (their sum is below 1 where the target puts mass outside them;
+            a loss renormalises them, acceptance metrics do not).
+        best: ``[R]`` the target's full-vocabulary argmax as an index into those D tokens,
+            -1 outside them (a position no draft can get right).
+        row_of: ``[B, T]`` the row of ``log_p`` holding position (b, t), -1 where none does
+            (no step reads it).
         mask: ``[S, B, T]`` where step s at row t is trained on.
+        shift: step 0 at row t reads the target's row ``t + shift``.
+        vocabs: per step, the target ids to narrow the D tokens to (None: keep them all).
     """
 
-    log_probs: torch.Tensor
-    tokens: torch.Tensor
-    mask: torch.Tensor
+    def __init__(self, log_p, best, row_of, mask, shift: int, vocabs: list):
+        self.log_p, self.best, self.row_of = log_p, best, row_of
+        self.mask, self.shift, self.vocabs = mask, shift, vocabs
+
+    def at(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``s``'s targets at the N positions ``mask[s]`` sets, in ``x[mask[s]]``'s order:
+        ``[N, D_s]`` log-probabilities and ``[N]`` argmax as a draft index (-1 outside)."""
+        b, t = self.mask[s].nonzero(as_tuple=True)
+        rows = self.row_of[b, t + self.shift + s]
+        return _restrict(self.log_p[rows], self.best[rows], self.vocabs[s])
 
 
 class TrainableDrafter(Drafter):
@@ -237,7 +250,8 @@ class TrainableDrafter(Drafter):
     @property
     def module(self) -> torch.nn.Module:
         """The trainable module: ``module(input_ids, attention_mask, features, at=None)``
-        returns ``[S, B, T, D]`` logits (read only at the rows ``at``, when given)."""
+        returns ``[S, B, T, D]`` logits (``[S, N, D]`` at the N rows ``at`` sets, when given,
+        in ``x[at]``'s order)."""
         raise NotImplementedError
 
     @property
@@ -277,31 +291,43 @@ class TrainableDrafter(Drafter):
         vocabs = [self.step_vocab(s) for s in range(self.steps)]
         return vocabs[0] if all(v is vocabs[0] for v in vocabs) else None
 
-    def teacher(self, target_logits: torch.Tensor, loss_mask: torch.Tensor) -> Teacher:
-        """The target's distributions for each step: row ``t + shift + s`` of the ``[B, T, V]``
-        logits predicts the token that step s at row t predicts."""
-        log_p = torch.log_softmax(target_logits.float(), dim=-1)  # [B, T, V]
+    def teacher(
+        self, target_logits: torch.Tensor, loss_mask: torch.Tensor, at: torch.Tensor | None = None
+    ) -> Teacher:
+        """The target's distributions for each step: row ``t + shift + s`` of the target's
+        logits predicts the token that step s at row t predicts.
+
+        Args:
+            target_logits: ``[B, T, V]`` the target's logits, or ``[N, V]`` at the rows ``at``.
+            loss_mask: ``[B, T]`` the assistant tokens.
+            at: ``[B, T]`` booleans, the rows ``target_logits`` holds (every row a step
+                reads), in ``x[at]``'s order; None: every row.
+        """
+        log_p = torch.log_softmax(target_logits.float(), dim=-1)
         log_p, best = _restrict(log_p, log_p.argmax(dim=-1), self.teacher_vocab)
-        return self.shifted_teacher(log_p, best, loss_mask)
+        return self.shifted_teacher(log_p, best, loss_mask, at)
 
     def shifted_teacher(
-        self, log_p: torch.Tensor, best: torch.Tensor, loss_mask: torch.Tensor
+        self,
+        log_p: torch.Tensor,
+        best: torch.Tensor,
+        loss_mask: torch.Tensor,
+        at: torch.Tensor | None = None,
     ) -> Teacher:
-        """:meth:`teacher` from the target's ``[B, T, D]`` log-probabilities over
-        :attr:`teacher_vocab` and its ``[B, T]`` top token there (-1: outside it), e.g. from a
-        cache. Where the steps' vocabularies differ, ``log_probs`` and ``tokens`` are lists of
-        the steps' own widths."""
+        """:meth:`teacher` from the target's log-probabilities over :attr:`teacher_vocab` and
+        its top token there (-1: outside it), e.g. from a cache: ``[B, T, D]`` and ``[B, T]``,
+        or ``[N, D]`` and ``[N]`` at the rows ``at`` sets."""
+        B, T = loss_mask.shape
+        if at is None:
+            row_of = torch.arange(B * T, device=log_p.device).view(B, T)
+            log_p, best = log_p.flatten(0, 1), best.flatten(0, 1)
+        else:
+            row_of = torch.full((B, T), -1, dtype=torch.long, device=log_p.device)
+            row_of[at] = torch.arange(len(log_p), device=log_p.device)
         given = self.teacher_vocab
-        log_probs, tokens = [], []
-        for s in range(self.steps):
-            step_log_p, step_best = log_p, best
-            if self.step_vocab(s) is not given:  # the teacher is over the full vocabulary
-                step_log_p, step_best = _restrict(log_p, best, self.step_vocab(s))
-            log_probs.append(_shift_left(step_log_p, self.shift + s))
-            tokens.append(_shift_left(step_best, self.shift + s, fill=-1))
-        if len({t.shape[-1] for t in log_probs}) == 1:
-            log_probs, tokens = torch.stack(log_probs), torch.stack(tokens)
-        return Teacher(log_probs, tokens, self.loss_masks(loss_mask).bool())
+        vocabs = [None if v is given else v for v in map(self.step_vocab, range(self.steps))]
+        mask = self.loss_masks(loss_mask).bool()
+        return Teacher(log_p, best, row_of, mask, self.shift, vocabs)
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically; it describes itself (``drafter.json``)."""
@@ -365,12 +391,6 @@ def _restrict(log_p: torch.Tensor, best: torch.Tensor, ids: torch.Tensor | None)
     index = torch.full((log_p.shape[-1],), -1, dtype=torch.long, device=ids.device)
     index[ids] = torch.arange(len(ids), device=ids.device)
     return log_p.index_select(-1, ids), index[best]
-
-
-def spread(picked: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """``[B, T, D]``: the values ``picked`` ``[N, D]`` of the rows ``at`` (``[B, T]``
-    booleans, N of them set, in ``x[at]``'s order) in place, zero elsewhere."""
-    return picked.new_zeros(*at.shape, picked.shape[-1]).index_put((at,), picked)
 
 
 def _shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:

@@ -93,10 +93,11 @@ class NextTokenModule(torch.nn.Module):
         self.lm = lm
 
     def forward(self, input_ids, attention_mask=None, features=(), at=None) -> torch.Tensor:
-        """``[1, B, T, D]`` logits at every row (the target's features are not read; ``at``,
-        the rows read, saves nothing inside a transformers model)."""
+        """``[1, B, T, D]`` logits (the target's features are not read); with ``at``, the rows
+        read, ``[1, N, D]`` at those rows, in ``x[at]``'s order (a transformers model computes
+        them all)."""
         out = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.logits.unsqueeze(0)
+        return (out.logits if at is None else out.logits[at]).unsqueeze(0)
 
 
 class DraftModelDrafter(TrainableDrafter):

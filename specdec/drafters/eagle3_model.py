@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.decoding.session import full_mask
-from specdec.drafters.base import spread
 
 
 class RMSNorm(nn.Module):
@@ -146,14 +145,15 @@ class Eagle3Model(nn.Module):
             attention_mask: ``[B, T]`` padding mask (1 = real token), or None.
             features: the target's fused layers' outputs, each ``[B, T, Ht]``.
             at: ``[B, T]`` booleans, the rows whose logits are read (where a step trains), or
-                None: every row. The other rows' logits are zero, and only their keys and
-                attention are computed (on step 0, every layer but the last runs there in
+                None: every row. Only those rows' logits are returned; at the others only the
+                keys and attention are computed (on step 0, every layer but the last runs there in
                 full: the next layer's keys read them); their output projection, MLP and LM
                 head are skipped. A row's later steps attend only to step 0's keys and to the
                 row's own earlier steps, so no read row depends on what is skipped.
 
         Returns:
-            ``[S, B, T, D]`` logits; step s at row t predicts token t + 2 + s.
+            ``[S, B, T, D]`` logits (``[S, N, D]`` at the N rows ``at`` sets, in ``x[at]``'s
+            order); step s at row t predicts token t + 2 + s.
         """
         hidden = self.fuse(features)  # [B, T, H]
         if self.training and self.feature_noise > 0:
@@ -185,7 +185,7 @@ class Eagle3Model(nn.Module):
             if rows is None:
                 out.append(self.lm_head(self.norm(x)))
             else:
-                out.append(spread(self.lm_head(self.norm(x[rows])), at))
+                out.append(self.lm_head(self.norm(x[rows])))
         return torch.stack(out)
 
     def decode(

@@ -112,7 +112,7 @@ class AdaptedHeads(nn.Module):
             use_cache=False,
         )
         heads = self.heads(None, None, [out.hidden_states[-1]], at=at)
-        own = out.logits.to(heads.dtype)
+        own = (out.logits if at is None else out.logits[at]).to(heads.dtype)
         if heads.shape[-1] != own.shape[-1]:
             return [own, *heads]
         return torch.cat([own[None], heads])

@@ -8,8 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.drafters.base import spread
-
 
 class ResBlock(nn.Module):
     """``x + SiLU(W x + b)``, started at zero (the identity)."""
@@ -56,12 +54,12 @@ class MedusaHeads(nn.Module):
         self, input_ids, attention_mask, features: list[torch.Tensor], at=None
     ) -> torch.Tensor:
         """``[S, B, T, D]``: head s at row t, from the target's last hidden state at t; with
-        ``at`` (``[B, T]`` booleans) computed at those rows only, zero elsewhere."""
+        ``at`` (``[B, T]`` booleans) ``[S, N, D]`` at those N rows only, in ``x[at]``'s order."""
         h = features[0].to(self.blocks[0][0].linear.weight.dtype)
         if at is None:
             return torch.stack([self.read_out(block(h)) for block in self.blocks])
         h = h[at]
-        return torch.stack([spread(self.read_out(block(h)), at) for block in self.blocks])
+        return torch.stack([self.read_out(block(h)) for block in self.blocks])
 
     @torch.inference_mode()
     def heads(self, h: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.drafters.base import spread
 from specdec.drafters.eagle3_model import DraftLayer, RMSNorm
 
 
@@ -117,7 +116,7 @@ class MTPModel(nn.Module):
             features: ``[h]``, the target's last hidden state ``[B, T, H]``.
             at: ``[B, T]`` booleans, the rows whose logits are read, or None (every row).
                 The modules run at every row (a module's keys are every row's); the shared
-                LM head only at those, the other rows' logits zero.
+                LM head only at those: ``[D, N, V]``, in ``x[at]``'s order.
         """
         hidden = features[0].to(self.dtype)
         B, T = input_ids.shape
@@ -131,9 +130,7 @@ class MTPModel(nn.Module):
             pad = embeds.new_zeros(B, min(k, T), embeds.shape[-1])
             e = torch.cat([embeds[:, k:], pad], dim=1)  # row t: the token t + k
             hidden, normed = module(hidden, e, cos, sin, causal)
-            out.append(
-                self.read_out(normed) if at is None else spread(self.read_out(normed[at]), at)
-            )
+            out.append(self.read_out(normed if at is None else normed[at]))
         return torch.stack(out)
 
     @torch.inference_mode()

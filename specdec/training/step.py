@@ -93,25 +93,23 @@ def drafter_loss(
     with torch.no_grad():
         if "teacher_log_probs" in batch:  # read from the teacher cache
             log_p, best = batch["teacher_log_probs"], batch["teacher_best"]
-            teacher = drafter.shifted_teacher(log_p, best, batch["loss_mask"])  # [S, B, T, D]
+            teacher = drafter.shifted_teacher(log_p, best, batch["loss_mask"])
             features = list(batch["features"]) if layers else []
         else:  # the target's logits only where a step's teacher reads them
             wanted = _shift_left(batch["loss_mask"]).bool()
             out = target.forward(ids, attention, hidden_layers=layers, logits_at=wanted)
-            target_logits = out.logits.new_zeros(*ids.shape, out.logits.shape[-1])
-            target_logits[wanted] = out.logits
-            teacher = drafter.teacher(target_logits, batch["loss_mask"])  # [S, B, T, D]
+            teacher = drafter.teacher(out.logits, batch["loss_mask"], at=wanted)
             features = [out.hidden_states[i] for i in layers]
-    # [S, B, T, D] (or S tensors of their widths), read only where a step trains
-    logits = model(ids, attention, features, at=teacher.mask.any(dim=0))
+    at = teacher.mask.any(dim=0)  # [B, T]: the rows some step trains
+    logits = model(ids, attention, features, at=at)  # [S, N, D] (or S tensors of their widths)
     weights = drafter.step_weights()
     loss, metrics = 0.0, {}
     for s in range(len(logits)):
-        # the positions step s trains as one row, [1, N, D]: no loss or metric spends work
+        # the positions step s trains as one row, [1, N_s, D]: no loss or metric spends work
         # on the others
         trained = teacher.mask[s]  # [B, T] booleans
-        draft, log_p = logits[s][trained].float()[None], teacher.log_probs[s][trained][None]
-        tokens = teacher.tokens[s][trained][None]
+        log_p, tokens = (x[None] for x in teacher.at(s))
+        draft = logits[s][trained[at]].float()[None]
         mask = torch.ones_like(tokens, dtype=torch.bool)
         step_loss, parts = distill_loss(
             draft,
@@ -125,7 +123,7 @@ def drafter_loss(
         )
         loss = loss + float(weights[s]) * step_loss
         share = mask.sum() / num_tokens[s] / processes
-        at = "" if s == 0 else f"@{s + 1}"
+        suffix = "" if s == 0 else f"@{s + 1}"
         # the target's full-vocabulary argmax as a draft index, -1 outside it: a miss there,
         # as when decoding
         agree = draft.argmax(dim=-1) == tokens  # [1, N]
@@ -134,7 +132,7 @@ def drafter_loss(
         within = (top5 == tokens.unsqueeze(-1)).any(-1)
         metrics[f"train/top5@{s + 1}"] = within.sum() / num_tokens[s] / processes
         accept = acceptance_rate(draft, log_p, mask)
-        metrics[f"train/expected_accept{at}"] = accept * share
+        metrics[f"train/expected_accept{suffix}"] = accept * share
         if s == 0:
             metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
             metrics["train/out_of_vocab"] = masked_mean((tokens < 0).float(), mask) * share
