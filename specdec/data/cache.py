@@ -322,11 +322,12 @@ class TeacherCache:
         return shard.get_slice(name + "_scale")[a:b] if self.fp["dtype"] == "fp8" else None
 
     def batch(self, indices: list[int], width: int, input_ids: torch.Tensor) -> dict:
-        """The teacher of a micro-batch padded to ``width``, over the drafter's vocabulary:
-        ``teacher_log_probs`` [B, width, D] (what ``Drafter.teacher`` computes from the
-        target's logits, built without them),
-        ``teacher_best`` [B, width] (the target's top token as a draft index, -1: outside the
-        draft vocabulary), and ``features`` [L, B, width, H] when the drafter reads layers.
+        """The teacher of a micro-batch padded to ``width``, over the drafter's vocabulary, at
+        the N positions ``teacher_rows`` [B, width] sets (those whose next token is an
+        answer's), in their row-major order: ``teacher_log_probs`` [N, D] (what
+        ``Drafter.teacher`` computes from the target's logits, built without them),
+        ``teacher_best`` [N] (the target's top token as a draft index, -1: outside the draft
+        vocabulary); and ``features`` [L, B, width, H] when the drafter reads layers.
 
         Raises:
             DataError: a row's tokens differ from the training data's (a cache of other data).
@@ -335,8 +336,8 @@ class TeacherCache:
         draft = torch.arange(vocab) if self.draft_ids is None else self.draft_ids.cpu().long()
         index = torch.full((vocab,), -1, dtype=torch.long)
         index[draft] = torch.arange(len(draft))
-        log_p = torch.zeros(len(indices), width, len(draft))
-        best = torch.full((len(indices), width), -1, dtype=torch.long)
+        taught = torch.zeros(len(indices), width, dtype=torch.bool)
+        log_p, best = [], []
         layers, hidden = len(self.layers), self.fp["hidden_size"]
         features = torch.zeros(layers, len(indices), width, hidden) if layers else None
         for b, i in enumerate(indices):
@@ -344,20 +345,22 @@ class TeacherCache:
             n, where = len(row["input_ids"]), row["positions"]
             if not torch.equal(row["input_ids"], input_ids[b, :n].cpu()):
                 raise DataError(f"{self.out}: row {i} holds other tokens than the training data")
+            taught[b, where] = True  # positions ascend: row-major order
             if ids is None:  # the full vocabulary
-                best[b, where] = index[values.argmax(-1)]
-                log_p[b, where] = values[:, draft]
+                best.append(index[values.argmax(-1)])
+                log_p.append(values[:, draft])
             else:  # the top k (best first), the rest spread evenly
-                best[b, where] = index[ids[:, 0]]
+                best.append(index[ids[:, 0]])
                 rows = fill[:, None].expand(len(fill), len(draft)).clone()
                 col = index[ids]
                 kept = col >= 0
                 at = torch.arange(len(ids))[:, None].expand_as(ids)
                 rows[at[kept], col[kept]] = values[kept]
-                log_p[b, where] = rows
+                log_p.append(rows)
             if features is not None:
                 features[:, b, :n] = row["features"].transpose(0, 1)
-        out = {"teacher_log_probs": log_p, "teacher_best": best}
+        out = {"teacher_log_probs": torch.cat(log_p), "teacher_best": torch.cat(best)}
+        out["teacher_rows"] = taught
         if features is not None:
             out["features"] = features
         return out

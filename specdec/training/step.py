@@ -93,7 +93,9 @@ def drafter_loss(
     with torch.no_grad():
         if "teacher_log_probs" in batch:  # read from the teacher cache
             log_p, best = batch["teacher_log_probs"], batch["teacher_best"]
-            teacher = drafter.shifted_teacher(log_p, best, batch["loss_mask"])
+            teacher = drafter.shifted_teacher(
+                log_p, best, batch["loss_mask"], batch["teacher_rows"]
+            )
             features = list(batch["features"]) if layers else []
         else:  # the target's logits only where a step's teacher reads them
             wanted = _shift_left(batch["loss_mask"]).bool()
