@@ -177,9 +177,10 @@ def load_training_data(
     source = ", ".join(p.source for p in recipe.data.prompts)
     written = [False] * len(rows)
     if recipe.data.regenerate.enabled and not all(r["keep"] for r in rows):
-        source = f"{dataset_dir(recipe)} + kept responses of {source}"
-        regenerated = list(load_regenerated(dataset_dir(recipe)))
         kept = [r for r in rows if r["keep"]]
+        keeping = ", ".join(p.source for p in recipe.data.prompts if p.responses == "keep")
+        source = f"{dataset_dir(recipe)}" + (f" + kept responses of {keeping}" if kept else "")
+        regenerated = list(load_regenerated(dataset_dir(recipe)))
         rows, written = regenerated + kept, [True] * len(regenerated) + [False] * len(kept)
     tagged = [
         {**row, "source": _source(row["id"], by_target), "target_written": by_target}
