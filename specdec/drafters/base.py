@@ -393,9 +393,8 @@ def _restrict(log_p: torch.Tensor, best: torch.Tensor, ids: torch.Tensor | None)
     return log_p.index_select(-1, ids), index[best]
 
 
-def _shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
-    """``x`` along dim 1 moved left by ``n`` (row t holds row t + n), padded with ``fill``."""
-    if n == 0:
-        return x
-    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
-    return torch.cat([x[:, n:], pad], dim=1)
+def _shift_left(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[B, T]`` ``mask`` moved left by ``n`` (row t holds row t + n), padded with 0."""
+    out = torch.zeros_like(mask)
+    out[:, : max(mask.shape[1] - n, 0)] = mask[:, n:]
+    return out
