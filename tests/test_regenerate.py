@@ -263,3 +263,70 @@ def test_prompt_the_chat_template_refuses_is_named(tiny_qwen2, tmp_path):
     twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(DataError, match="prompt 'x': the chat template refused it"):
         run(model, tokenizer, [{"id": "x", "messages": twice}], tmp_path)
+
+
+def fresh_then_first(model, tokenizer, tmp_path, first, grown) -> list[dict]:
+    """Runs ``grown`` into ``fresh`` and ``first`` into ``grown``; the fresh rows."""
+    run(model, tokenizer, grown, tmp_path / "fresh")
+    run(model, tokenizer, first, tmp_path / "grown")
+    return load_regenerated(tmp_path / "fresh").to_list()
+
+
+@pytest.mark.parametrize("where", ["at the end", "in between"])
+def test_prompt_set_grows_and_equals_a_fresh_run(tiny_llama, tmp_path, where):
+    model, tokenizer = tiny_llama
+    prompts = make_prompts(11)
+    if where == "at the end":
+        first = prompts[:7]
+    else:
+        first = [p for i, p in enumerate(prompts) if i not in (0, 4, 5, 9)]
+    fresh = fresh_then_first(model, tokenizer, tmp_path, first, prompts)
+    stats = run(model, tokenizer, prompts, tmp_path / "grown")
+    assert (stats.num_skipped, stats.num_done) == (7, 4)
+    assert load_regenerated(tmp_path / "grown").to_list() == fresh
+    manifest = json.loads((tmp_path / "grown" / "manifest.json").read_text())
+    expected = json.loads((tmp_path / "fresh" / "manifest.json").read_text())
+    assert manifest["settings"] == expected["settings"]
+    assert manifest["counts"] == expected["counts"] | {
+        "num_shards": manifest["counts"]["num_shards"]
+    }
+
+
+def test_growing_killed_while_renumbering_finishes_when_resumed(tiny_llama, tmp_path, monkeypatch):
+    model, tokenizer = tiny_llama
+    prompts = make_prompts(11)
+    first = prompts[3:]  # the three new prompts come first: every kept row moves
+    fresh = fresh_then_first(model, tokenizer, tmp_path, first, prompts)
+    with monkeypatch.context() as patch:
+        crash_after_shards(patch, 1)  # one shard renumbered, then killed
+        with pytest.raises(RuntimeError, match="killed"):
+            run(model, tokenizer, prompts, tmp_path / "grown")
+    stats = run(model, tokenizer, prompts, tmp_path / "grown")
+    assert (stats.num_skipped, stats.num_done) == (8, 3)
+    assert load_regenerated(tmp_path / "grown").to_list() == fresh
+
+
+@pytest.mark.parametrize(
+    "change", ["answered prompt reworded", "answered prompt gone", "grown before it was complete"]
+)
+def test_prompt_set_that_does_not_only_grow_is_refused(tiny_llama, tmp_path, monkeypatch, change):
+    model, tokenizer = tiny_llama
+    prompts = make_prompts(8)
+    if change == "grown before it was complete":
+        with monkeypatch.context() as patch:
+            crash_after_shards(patch, 1)
+            with pytest.raises(RuntimeError, match="killed"):
+                run(model, tokenizer, prompts[:5], tmp_path)
+    else:
+        run(model, tokenizer, prompts[:5], tmp_path)
+    before = load_regenerated(tmp_path).to_list()
+    if change == "answered prompt reworded":
+        reworded = {**prompts[2], "messages": [{"role": "user", "content": "something else"}]}
+        changed = [*prompts[:2], reworded, *prompts[3:]]
+    elif change == "answered prompt gone":
+        changed = [*prompts[:2], *prompts[3:]]
+    else:
+        changed = prompts
+    with pytest.raises(DataError, match="different prompt set"):
+        run(model, tokenizer, changed, tmp_path)
+    assert load_regenerated(tmp_path).to_list() == before  # nothing written

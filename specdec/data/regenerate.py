@@ -7,7 +7,10 @@ will be asked to predict at decoding time rather than that of whoever wrote the 
 Rows are written to ``out_dir`` as shards beside a manifest (:mod:`specdec.data.shards`). A
 run killed at any point (Ctrl-C, SIGKILL) is continued by calling :func:`regenerate` again
 with the same arguments: ids found in the shards are skipped, the rest are generated into new
-shards. A different generation setting, model or prompt set in the same ``out_dir`` is an error.
+shards. A different generation setting, model or prompt set in the same ``out_dir`` is an error,
+except that a complete prompt set may grow (a recipe's new prompt sources): the rows there
+are kept, moved to their prompts' new places, and only the new prompts are generated, so the
+directory then equals a fresh run of the grown set.
 
 Reproducibility: greedy rows do not depend on batching, up to floating-point ties. Sampled rows
 draw every token from a generator seeded by ``(seed, prompt id)`` alone, so a prompt gets the
@@ -28,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from jinja2 import TemplateError
@@ -173,7 +177,7 @@ def regenerate(
         settings["backend"] = backend
     out = Path(out_dir)
     with locked(out):
-        on_disk = resume(out, settings)
+        on_disk = resume(out, settings, partial(_fingerprint_of_answered, kept))
         todo = [p for p in kept if p.id not in on_disk]
         if sort_by_length:
             todo.sort(key=lambda p: (-len(p.token_ids), p.index))
@@ -189,6 +193,8 @@ def regenerate(
         }
         # _write_atomic is looked up per call, so a write that dies mid-run can stand in for it
         writer = ShardWriter(out, shard_size, manifest, on_disk, write_file=_write_atomic)
+        if writer.renumber({p.id: p.index for p in kept}):
+            logger.info("%s: the rows there renumbered to the grown prompt set", out)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         job = Job(
             todo, params, seed, eos_ids, max_new_tokens, batch_size, max_batch_tokens,
@@ -346,6 +352,16 @@ def _fingerprint(prompts: list[_Prompt]) -> str:
     for p in prompts:
         digest.update(json.dumps([p.id, p.category, p.token_ids]).encode())
     return digest.hexdigest()
+
+
+def _fingerprint_of_answered(kept: list[_Prompt], rows: dict[str, dict]) -> str | None:
+    """The fingerprint of the prompts of ``kept`` that ``rows`` answer, in the rows' order
+    (their ``index`` of the run that wrote them); None when a row answers no prompt of
+    ``kept``."""
+    by_id = {p.id: p for p in kept}
+    if not set(rows) <= set(by_id):
+        return None
+    return _fingerprint([by_id[pid] for pid in sorted(rows, key=lambda pid: rows[pid]["index"])])
 
 
 def _batches(todo: list[_Prompt], size: int, budget: int | None, max_new: int) -> list:

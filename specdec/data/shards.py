@@ -60,8 +60,16 @@ def load_regenerated(out_dir: str | Path) -> datasets.Dataset:
     return datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in _COLUMNS})
 
 
-def resume(out: Path, settings: dict) -> dict[str, bool]:
-    """Checks ``out`` against ``settings``; returns ``{id: finished}`` of rows already there."""
+def resume(
+    out: Path, settings: dict, fingerprint: Callable[[dict[str, dict]], str | None] | None = None
+) -> dict[str, bool]:
+    """Checks ``out`` against ``settings``; returns ``{id: finished}`` of rows already there.
+
+    A prompt set that differs from the one ``out`` was written for is refused, except that it
+    may grow: when ``fingerprint`` (given the rows on disk by id) hashes the new set's prompts
+    that those rows answer, in the rows' order, to the hash ``out`` holds, the rows are kept
+    and only the new prompts are still to do (then :meth:`ShardWriter.renumber`).
+    """
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp"):
         stale.unlink()  # a write that was killed before its os.replace
@@ -71,14 +79,21 @@ def resume(out: Path, settings: dict) -> dict[str, bool]:
             raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
         return {}
     old = manifest.get("settings", {})
+    rows = {r["id"]: r for path in _shard_paths(out) for r in _read_shard(path)}
     for key, value in settings.items():
-        if old.get(key) != value:
-            shown = "a different prompt set or chat template" if key == "prompts" else None
-            detail = shown or f"{key}={old.get(key)!r} there, {value!r} now"
-            raise DataError(
-                f"{out} holds a different regeneration ({detail}); use another out_dir or delete it"
-            )
-    return {r["id"]: r["finished"] for path in _shard_paths(out) for r in _read_shard(path)}
+        if old.get(key) == value:
+            continue
+        if key == "prompts" and fingerprint is not None and fingerprint(rows) == old.get(key):
+            logger.info("%s: the prompt set grew; its %d rows are kept", out, len(rows))
+            continue
+        shown = None
+        if key == "prompts":
+            shown = "a different prompt set or chat template; a complete set may only grow"
+        detail = shown or f"{key}={old.get(key)!r} there, {value!r} now"
+        raise DataError(
+            f"{out} holds a different regeneration ({detail}); use another out_dir or delete it"
+        )
+    return {pid: row["finished"] for pid, row in rows.items()}
 
 
 def read_manifest(out: Path, fmt: str = FORMAT) -> dict | None:
@@ -200,6 +215,23 @@ class ShardWriter:
         self.num_rows += len(rows)
         self.num_finished += sum(r["finished"] for r in rows)
         self.write_manifest()
+
+    def renumber(self, place: dict[str, int]) -> int:
+        """Give every row on disk its prompt's place in the current prompt list (``place``:
+        id to index), rewriting the shards where it differs: after the set grew, the rows
+        kept read back where a fresh run would put them. The manifest (already the grown
+        set's) is written first, so a run killed in between finishes the renumbering when
+        it resumes. Returns the number of shards rewritten."""
+        stale = []
+        for path in _shard_paths(self.out):
+            rows = _read_shard(path)
+            if any(row["index"] != place[row["id"]] for row in rows):
+                stale.append((path, [{**row, "index": place[row["id"]]} for row in rows]))
+        if stale:
+            self.write_manifest()
+        for path, rows in stale:
+            self.write_file(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        return len(stale)
 
     def recount(self) -> None:
         """Counts the rows of every shard on disk (other writers' included), then writes the
