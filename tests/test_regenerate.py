@@ -272,14 +272,16 @@ def fresh_then_first(model, tokenizer, tmp_path, first, grown) -> list[dict]:
     return load_regenerated(tmp_path / "fresh").to_list()
 
 
-@pytest.mark.parametrize("where", ["at the end", "in between"])
+@pytest.mark.parametrize("where", ["at the end", "in between", "all in another order"])
 def test_prompt_set_grows_and_equals_a_fresh_run(tiny_llama, tmp_path, where):
     model, tokenizer = tiny_llama
     prompts = make_prompts(11)
     if where == "at the end":
         first = prompts[:7]
-    else:
+    elif where == "in between":
         first = [p for i, p in enumerate(prompts) if i not in (0, 4, 5, 9)]
+    else:  # a recipe's prompts are shuffled: a new source reorders the earlier ones too
+        first = [prompts[i] for i in (6, 2, 8, 0, 10, 3, 5)]
     fresh = fresh_then_first(model, tokenizer, tmp_path, first, prompts)
     stats = run(model, tokenizer, prompts, tmp_path / "grown")
     assert (stats.num_skipped, stats.num_done) == (7, 4)
@@ -292,17 +294,22 @@ def test_prompt_set_grows_and_equals_a_fresh_run(tiny_llama, tmp_path, where):
     }
 
 
-def test_growing_killed_while_renumbering_finishes_when_resumed(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("change", ["grown", "only reordered"])
+def test_killed_while_renumbering_finishes_when_resumed(tiny_llama, tmp_path, monkeypatch, change):
     model, tokenizer = tiny_llama
     prompts = make_prompts(11)
-    first = prompts[3:]  # the three new prompts come first: every kept row moves
+    # every kept row moves: three new prompts come first / the same prompts reversed
+    first = prompts[3:] if change == "grown" else prompts[::-1]
     fresh = fresh_then_first(model, tokenizer, tmp_path, first, prompts)
     with monkeypatch.context() as patch:
         crash_after_shards(patch, 1)  # one shard renumbered, then killed
         with pytest.raises(RuntimeError, match="killed"):
             run(model, tokenizer, prompts, tmp_path / "grown")
+    manifest = json.loads((tmp_path / "grown" / "manifest.json").read_text())
+    assert not manifest["counts"]["complete"]  # the mixed rows are not read back as finished
     stats = run(model, tokenizer, prompts, tmp_path / "grown")
-    assert (stats.num_skipped, stats.num_done) == (8, 3)
+    new = 3 if change == "grown" else 0
+    assert (stats.num_skipped, stats.num_done) == (11 - new, new)
     assert load_regenerated(tmp_path / "grown").to_list() == fresh
 
 

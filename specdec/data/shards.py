@@ -83,7 +83,8 @@ def resume(
     for key, value in settings.items():
         if old.get(key) == value:
             continue
-        if key == "prompts" and fingerprint is not None and fingerprint(rows) == old.get(key):
+        grew = key == "prompts" and fingerprint is not None and old.get(key) is not None
+        if grew and fingerprint(rows) == old[key]:
             logger.info("%s: the prompt set grew; its %d rows are kept", out, len(rows))
             continue
         shown = None
@@ -220,17 +221,19 @@ class ShardWriter:
         """Give every row on disk its prompt's place in the current prompt list (``place``:
         id to index), rewriting the shards where it differs: after the set grew, the rows
         kept read back where a fresh run would put them. The manifest (already the grown
-        set's) is written first, so a run killed in between finishes the renumbering when
-        it resumes. Returns the number of shards rewritten."""
+        set's, marked unfinished) is written first, so a run killed in between finishes the
+        renumbering when it resumes. Returns the number of shards rewritten."""
         stale = []
         for path in _shard_paths(self.out):
             rows = _read_shard(path)
             if any(row["index"] != place[row["id"]] for row in rows):
                 stale.append((path, [{**row, "index": place[row["id"]]} for row in rows]))
         if stale:
-            self.write_manifest()
+            self.write_manifest(complete=False)  # not read back as complete while mixed
         for path, rows in stale:
             self.write_file(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        if stale:
+            self.write_manifest()
         return len(stale)
 
     def recount(self) -> None:
@@ -242,7 +245,9 @@ class ShardWriter:
         self.num_finished = sum(r["finished"] for r in rows)
         self.write_manifest()
 
-    def write_manifest(self) -> None:
+    def write_manifest(self, complete: bool = True) -> None:
+        """The manifest with the current counts; ``complete=False`` marks it unfinished
+        whatever the counts say."""
         if self.manifest is None:
             return
         counts = self.manifest["counts"]
@@ -252,6 +257,6 @@ class ShardWriter:
             num_finished=self.num_finished,
             num_truncated=self.num_rows - self.num_finished,
             num_shards=self.num_shards,
-            complete=self.num_rows == expected and not self.buffer,
+            complete=complete and self.num_rows == expected and not self.buffer,
         )
         self.write_file(self.out / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
