@@ -163,6 +163,8 @@ def _train(args: argparse.Namespace) -> None:
     from specdec.training.loop import train
 
     summary = train(load_recipe(args.config, args.overrides + args.set))
+    if not summary["main_process"]:
+        return  # one report per run, not one per process
     for row in summary["scores"]:
         accept = rates(row["accept"])
         print(

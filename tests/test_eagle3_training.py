@@ -84,6 +84,7 @@ def test_two_processes_match_one_with_accumulation(files, tmp_path, fsdp):
     )
     out = finish(two)
     assert ("FSDP: the drafter sharded across 2 processes" in out) == fsdp
+    assert out.count("run directory:") == 1  # one report, from the main process
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
     for (_, x), (_, y) in zip(a, b, strict=True):

@@ -62,11 +62,16 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def launch(
-    args: list[str], processes: int = 1, recipe: Path = RECIPE, fsdp: bool = False, **kwargs
+    args: list[str],
+    processes: int = 1,
+    recipe: Path = RECIPE,
+    fsdp: bool = False,
+    script: Path = ROOT / "train" / "distill.py",
+    **kwargs,
 ) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if processes == 1:
-        cmd = [sys.executable, str(ROOT / "train" / "distill.py")]
+        cmd = [sys.executable, str(script)]
     else:
         # accelerate's --cpu launcher starts one process without MPI; the torchrun launcher
         # behind --multi_gpu starts N, and the trainer picks gloo when there is no CUDA
@@ -83,7 +88,7 @@ def launch(
             "no",
             "--dynamo_backend",
             "no",
-            str(ROOT / "train" / "distill.py"),
+            str(script),
         ]
     return subprocess.Popen(
         [*cmd, "--config", str(recipe), *args],
@@ -201,6 +206,29 @@ def test_fsdp_two_processes_match_one_with_accumulation_and_resume_after_sigkill
 def metric(run_dir: Path, key: str) -> list[float]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [m[key] for m in lines if key in m]
+
+
+THREADS_AFTER_RUN = """
+import os, sys
+from specdec.cli import main
+code = main(["train", *sys.argv[1:]])
+names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+print(f"gloo threads after the run: {sum('gloo' in n for n in names)}", flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_process_group_is_gone_when_the_run_returns(setup, tmp_path, fsdp):
+    """A process group that outlives the run is torn down with the interpreter, where gloo's
+    threads can abort a process that finished its run (seen under FSDP): when ``train``
+    returns, no gloo thread is left in either process."""
+    script = tmp_path / "threads_after_run.py"
+    script.write_text(THREADS_AFTER_RUN)
+    args = overrides(setup, tmp_path / "run", "train.max_steps=2", "train.save_every=100")
+    out = finish(launch(args, processes=2, fsdp=fsdp, script=script))
+    assert out.count("gloo threads after the run: 0") == 2, out[-3000:]
 
 
 def test_fsdp_refuses_a_loss_scaler():

@@ -42,6 +42,27 @@ logger = logging.getLogger(__name__)
 def train(recipe: Recipe) -> dict:
     """Run the recipe: data, drafter, training, checkpoints with scores. Returns a summary."""
     run = setup(recipe)
+    accelerator = run.accelerator
+    steps(run)
+    best = recipe.run_dir / "best.json"
+    summary = {
+        "run_dir": str(recipe.run_dir),
+        "steps": run.state.step,
+        "seconds": run.state.seconds,
+        "data": run.data_report,
+        "best": json.loads(best.read_text()) if best.exists() else None,
+        "scores": checkpoint_table(recipe.run_dir),
+        "main_process": accelerator.is_main_process,
+    }
+    del run
+    close(accelerator)
+    return summary
+
+
+def steps(run: Run) -> None:
+    """The training steps, from the run's state to ``train.max_steps`` or the time budget,
+    with their logs, saves and scores."""
+    recipe = run.recipe
     cfg, state, accelerator = recipe.train, run.state, run.accelerator
     log = MetricsLog(recipe.run_dir / "metrics.jsonl", accelerator, recipe, state.step)
     bar = tqdm(
@@ -92,16 +113,18 @@ def train(recipe: Recipe) -> dict:
             save_and_score(run, log)
     bar.close()
     log.close()
+
+
+def close(accelerator) -> None:
+    """End a run's processes cleanly: every process done, the references to the process
+    group dropped (the prepared model's, the FSDP device meshes'), then the group destroyed
+    while the interpreter is whole. A group still referenced outlives
+    ``destroy_process_group`` and is torn down with the interpreter, where gloo's threads can
+    abort a process whose run has finished."""
+    accelerator.wait_for_everyone()
+    sharding.release()
+    accelerator.free_memory()  # accelerate's own references, then a collection
     accelerator.end_training()
-    best = recipe.run_dir / "best.json"
-    return {
-        "run_dir": str(recipe.run_dir),
-        "steps": state.step,
-        "seconds": state.seconds,
-        "data": run.data_report,
-        "best": json.loads(best.read_text()) if best.exists() else None,
-        "scores": checkpoint_table(recipe.run_dir),
-    }
 
 
 def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:

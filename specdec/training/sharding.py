@@ -50,12 +50,24 @@ logger = logging.getLogger(__name__)
 FSDP_ENV = "ACCELERATE_USE_FSDP"
 #: the gathered model and optimizer, in the state directory
 STATE_FILE = "sharded_state.pt"
+#: the device meshes this process sharded over (:func:`release` lets go of their groups)
+_meshes: list = []
 
 
 def claim() -> bool:
     """Whether the launch asked for FSDP; the request is taken from accelerate, which then
     runs the processes as plain data parallel (the trainer shards the module itself)."""
     return os.environ.pop(FSDP_ENV, "").lower() == "true"
+
+
+def release() -> None:
+    """Let go of the process groups the device meshes hold, before the run destroys them.
+    torch's DTensor caches keep a mesh (and through it its groups) alive after the model
+    and optimizer are gone, so ``destroy_process_group`` would leave gloo's threads running
+    into the interpreter's teardown, where they can abort a process whose run has ended."""
+    for mesh in _meshes:
+        getattr(mesh, "_pg_registry", {}).clear()
+    _meshes.clear()
 
 
 def check_precision(accelerator) -> None:
@@ -83,6 +95,7 @@ def shard(module: torch.nn.Module, device: torch.device, precision: str) -> torc
 
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
+    _meshes.append(mesh)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     policy = MixedPrecisionPolicy(param_dtype=dtypes.get(precision), reduce_dtype=torch.float32)
     units = 1
