@@ -145,6 +145,24 @@ def test_trainable_parameters_change_and_target_stays_frozen(setup, tmp_path, lo
     assert score["greedy_match_rate"] == 1.0
 
 
+def test_frozen_embeddings_stay_the_targets_while_the_rest_trains(setup, tmp_path):
+    from specdec.training.loop import train
+
+    run_dir = tmp_path / "run"
+    args = ("train.save_every=100", "drafter.init_from_target=true", "drafter.num_layers=2")
+    recipe = load_recipe(RECIPE, overrides(setup, run_dir, *args, "drafter.freeze_embeddings=true"))
+    assert train(recipe)["steps"] == 4
+    # a 2-layer draft of the 2-layer target starts as the target's copy, tensor for tensor
+    target = load_file(setup / "target" / "model.safetensors")
+    ckpt = load_file(run_dir / "checkpoints" / "step-000004" / "model.safetensors")
+    assert set(ckpt) == set(target)
+    frozen = "model.embed_tokens.weight"
+    assert torch.equal(ckpt[frozen], target[frozen])
+    for name, tensor in ckpt.items():  # the head is untied here: it trains
+        if name != frozen:
+            assert not torch.equal(tensor, target[name]), f"{name} did not change"
+
+
 def test_ddp_two_processes_match_one_with_accumulation(setup, tmp_path):
     args = ("train.save_every=100", "train.warmup_steps=0")  # the first update counts too
     one = launch(overrides(setup, tmp_path / "one", "train.grad_accum=2", *args))

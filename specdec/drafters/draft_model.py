@@ -77,6 +77,10 @@ class DraftModelConfig(DrafterConfig):
     draft_vocab_size: int | None = option(
         None, "Reduced output vocabulary (most frequent target tokens); null: the full one.", ge=1
     )
+    freeze_embeddings: bool = option(
+        False, "Keep the input embedding as built (the target's, with init_from_target) while "
+        "training; a full-vocabulary head tied to it stays frozen with it.",
+    )  # fmt: skip
 
     def check(self) -> None:
         if self.init_layers and len(self.init_layers) != self.num_layers:
@@ -176,6 +180,17 @@ class DraftModelDrafter(TrainableDrafter):
     @property
     def draft_ids(self) -> torch.Tensor | None:
         return self.vocab_map
+
+    def prepare_training(self, config: DraftModelConfig, target) -> None:
+        """``freeze_embeddings``: the input embedding is not trained (nor its tied head)."""
+        if not config.freeze_embeddings:
+            return
+        embedding = self.model.get_input_embeddings()
+        embedding.requires_grad_(False)
+        head = self.model.get_output_embeddings()
+        if head is not None and head.weight is embedding.weight:
+            logger.warning("drafter.freeze_embeddings: the LM head is tied to the embedding "
+                           "and stays frozen with it")  # fmt: skip
 
     def transformers_model(self, where: str = ""):
         if self.vocab_map is not None:
