@@ -40,7 +40,7 @@ def truncated(model, num_layers: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--draft-model", help="a draft model directory (default: truncated)")
     parser.add_argument("--draft-layers", type=int, default=4)

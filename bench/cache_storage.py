@@ -39,7 +39,7 @@ CHOICES = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--config", default="recipes/smollm2-135m/eagle3.yaml")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("overrides", nargs="*")

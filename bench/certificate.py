@@ -51,7 +51,7 @@ class Misreporting(Drafter):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", help="a specdec checkpoint directory")
     which.add_argument(

@@ -32,7 +32,7 @@ from specdec.target import FrozenTarget, eos_token_ids
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--checkpoint", action="append", required=True, help="a trained drafter")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--forwards", default="float32,float16", help="comma-separated")

@@ -38,7 +38,7 @@ def specdec(*args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--minutes", type=float, default=6.0, help="training budget per family")
     parser.add_argument(
         "--prompts", type=int, default=160, help="training prompts regenerated (0: all of them)"

@@ -138,7 +138,7 @@ def measure(model, tokenizer, prompts, max_new_tokens, **batching) -> tuple[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", type=Path, help="local model directory (default: tiny)")
     parser.add_argument("--prompts", type=Path, help="JSONL of {id, messages} rows")
     parser.add_argument("--config", type=Path, help="a recipe: its target and training prompts")

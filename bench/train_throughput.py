@@ -42,7 +42,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--config", default="recipes/smollm2-135m/demo.yaml")
     parser.add_argument("--steps", type=int, default=12, help="micro-batches timed per mode")
     parser.add_argument("--block", type=int, default=4, help="micro-batches per turn of a mode")

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import argparse
 
+#: what ``specdec --help`` says first
+DESCRIPTION = (
+    "Train speculative-decoding drafters against a frozen target from YAML recipes, score "
+    "every checkpoint with an exact speculative decoder, and export them for serving engines."
+)
+
 #: the recipe's eval.* keys that ``specdec score`` takes as flags: the schema is the one
 #: description of the decoding knobs (type, range, help); a flag is ``--`` + the key
 EVAL_FLAGS = (
@@ -61,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.config import EvalConfig
     from specdec.config.validation import hints
 
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="specdec", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
