@@ -17,13 +17,79 @@ All computation is in float32 whatever the input dtype, from ``log_softmax`` so 
 gradients reach the draft logits only.
 """
 
+from __future__ import annotations
+
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "ce")
+
+
+@dataclass(frozen=True)
+class SparseTeacher:
+    """The target's distribution over ``width`` tokens kept as a top-k teacher cache stores it:
+    its k most likely tokens and one log-probability shared by each of the others. Losses and
+    metrics that accept it never build the dense ``[..., width]`` tensor (:meth:`dense` does,
+    for the others).
+
+    Args:
+        values: ``[..., k]`` log-probabilities of the k tokens (the target's own, not
+            renormalised over the ``width``), -inf in unused slots.
+        cols: ``[..., k]`` their indices in ``[0, width)``, distinct among used slots (any
+            index in unused ones).
+        fill: ``[...]`` the log-probability of each token not among them.
+        width: the vocabulary's size.
+    """
+
+    values: Tensor
+    cols: Tensor
+    fill: Tensor
+    width: int
+
+    def __getitem__(self, index) -> SparseTeacher:
+        """The positions ``index`` selects, as a tensor of the leading dimensions would be."""
+        return SparseTeacher(self.values[index], self.cols[index], self.fill[index], self.width)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.fill.shape, self.width)
+
+    def __len__(self) -> int:
+        return len(self.fill)
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def to(self, device) -> SparseTeacher:
+        return SparseTeacher(
+            *(x.to(device) for x in (self.values, self.cols, self.fill)), self.width
+        )
+
+    def dense(self) -> Tensor:
+        """``[..., width]`` the log-probability of every token."""
+        values = self.values.float().flatten(0, -2)  # [n, k]
+        cols, fill = self.cols.flatten(0, -2), self.fill.float().flatten()
+        out = fill[:, None].expand(len(fill), self.width).clone()
+        row = torch.arange(len(fill), device=fill.device)[:, None].expand_as(cols)
+        used = values > -math.inf
+        out[row[used], cols[used]] = values[used]
+        out = out.view(self.shape)
+        return out
+
+    def renormalised(self, temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+        """The distribution at ``temperature`` renormalised over the ``width`` tokens:
+        ``(log p [..., k], log p of each other token [...], how many others [...])``."""
+        used = self.values > -math.inf
+        others = self.width - used.sum(-1)
+        values, fill = _scaled(self.values.float(), temperature), _scaled(self.fill, temperature)
+        spread = fill + others.float().log()  # -inf when the k fill the vocabulary
+        log_z = torch.logsumexp(torch.cat([values, spread[..., None]], dim=-1), dim=-1)
+        return values - log_z[..., None], fill - log_z, others
 
 
 def token_losses(
@@ -130,7 +196,9 @@ def distill_loss(
 
     Args:
         draft_logits: drafter logits.  # [B, T, V]
-        target_logits: target logits over the same vocabulary.  # [B, T, V]
+        target_logits: target logits over the same vocabulary, or a :class:`SparseTeacher`
+            (a forward KL alone is computed from it directly, any other mix densifies it).
+            # [B, T, V]
         mask: True / 1 where a position is trained on.  # [B, T]
         mix: loss name to weight, e.g. ``{"forward_kl": 1.0, "ce": 0.1}``; a weight of 0 still
             reports the loss as a metric.
@@ -148,6 +216,12 @@ def distill_loss(
         raise ValueError("distill_loss needs at least one loss in mix")
     for name in mix:
         _check_name(name)
+    if isinstance(target_logits, SparseTeacher):
+        if set(mix) == {"forward_kl"} and teacher_top_k is None:
+            per_token = sparse_forward_kl(draft_logits, target_logits, temperature)
+            value = masked_mean(per_token, mask, num_tokens)
+            return mix["forward_kl"] * value, {"forward_kl": value.detach()}
+        target_logits = target_logits.dense()
     log_q, log_p = _log_probs(draft_logits, target_logits, temperature, teacher_top_k)
     if "ce" in mix and target_tokens is None:
         target_tokens = target_logits.argmax(dim=-1)
@@ -209,12 +283,56 @@ def acceptance_rate(draft_logits: Tensor, target_log_probs: Tensor, mask: Tensor
 
     Args:
         draft_logits: drafter logits.  # [B, T, D]
-        target_log_probs: the target's log-probabilities at the draft's tokens.  # [B, T, D]
+        target_log_probs: the target's log-probabilities at the draft's tokens, or a
+            :class:`SparseTeacher` of them.  # [B, T, D]
         mask: True / 1 where a position counts.  # [B, T]
     """
     q = torch.softmax(draft_logits.float(), dim=-1)
-    overlap = torch.minimum(target_log_probs.float().exp(), q).sum(dim=-1)
+    if not isinstance(target_log_probs, SparseTeacher):
+        return masked_mean(torch.minimum(target_log_probs.float().exp(), q).sum(dim=-1), mask)
+    # every token at the shared value, then the k kept tokens corrected to their own
+    t = target_log_probs
+    p_fill = t.fill.float().exp()
+    overlap = torch.minimum(q, p_fill[..., None]).sum(dim=-1)
+    q_kept = q.gather(-1, t.cols)
+    own = torch.minimum(t.values.float().exp(), q_kept) - torch.minimum(p_fill[..., None], q_kept)
+    overlap = overlap + torch.where(t.values > -math.inf, own, 0.0).sum(dim=-1)
     return masked_mean(overlap, mask)
+
+
+def sparse_forward_kl(draft_logits: Tensor, teacher: SparseTeacher, temperature: float = 1.0):
+    """``KL(p || q)`` per position, ``p`` the :class:`SparseTeacher` renormalised over its
+    width and ``q`` the draft's softmax, both at ``temperature``: what :func:`token_losses`
+    gives on the dense teacher, with no ``[..., width]`` tensor but the draft's logits.
+
+    With the k kept tokens' ``p_i``, every other's ``p_f`` and the draft's logits z
+    (``log q = z - logsumexp(z)``, and the p summing to 1), ``sum_v p_v log q_v`` is
+    ``sum_i (p_i - p_f) z_i + p_f sum_v z_v - logsumexp(z)``.
+
+    Args:
+        draft_logits: ``[..., width]`` drafter logits.
+        teacher: the target's distribution.
+        temperature: divides both sides' logits; must be positive.
+
+    Returns:
+        ``[...]`` float32 losses.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if draft_logits.shape != teacher.shape:
+        raise ValueError(
+            f"draft logits {tuple(draft_logits.shape)} and teacher {teacher.shape} differ"
+        )
+    z = _scaled(draft_logits.float(), temperature)
+    log_p, log_fill, others = teacher.renormalised(temperature)
+    used = teacher.values > -math.inf
+    p, p_fill = log_p.exp(), log_fill.exp()
+    entropy = torch.where(used, p * log_p, 0.0).sum(-1)
+    entropy = entropy + torch.where(others > 0, others * p_fill * log_fill, 0.0)
+    lse = torch.logsumexp(z, dim=-1)
+    kept = torch.where(used, (p - p_fill[..., None]) * z.gather(-1, teacher.cols), 0.0).sum(-1)
+    cross = kept + p_fill * z.sum(-1) - lse
+    return entropy - cross
 
 
 def _check_name(name: str) -> None:
@@ -237,8 +355,8 @@ def _log_probs(
     _check_shapes(draft_logits, target_logits)
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    draft = draft_logits.float() / temperature
-    target = target_logits.detach().float() / temperature
+    draft = _scaled(draft_logits.float(), temperature)
+    target = _scaled(target_logits.detach().float(), temperature)
     if teacher_top_k is not None:
         if teacher_top_k < 1:
             raise ValueError(f"teacher_top_k must be at least 1, got {teacher_top_k}")
@@ -246,6 +364,11 @@ def _log_probs(
             values, indices = target.topk(teacher_top_k, dim=-1)
             target = torch.full_like(target, -math.inf).scatter(-1, indices, values)
     return F.log_softmax(draft, dim=-1), F.log_softmax(target, dim=-1)
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """``logits / temperature``, without a pass over them at temperature 1."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _token_loss(

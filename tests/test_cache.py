@@ -4,6 +4,7 @@ duplicates, refusing caches of something else, and training from it equal to tra
 
 import fcntl
 import json
+import math
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from test_training import setup
 from specdec.data import cache as cache_mod
 from specdec.data.cache import TeacherCache, build_cache, fingerprint
 from specdec.errors import DataError
+from specdec.losses import SparseTeacher
 from specdec.target import FrozenTarget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +121,19 @@ def test_lossy_storage_stays_within_its_rounding(target, tmp_path, dtype, relati
         assert not torch.equal(row["features"], hidden)  # it is lossy: the test can tell
 
 
+def by_hand(teacher) -> torch.Tensor:
+    """A sparse teacher's ``[N, D]`` log-probabilities written out entry by entry."""
+    if isinstance(teacher, torch.Tensor):
+        return teacher
+    out = teacher.fill[:, None].repeat(1, teacher.width)
+    rows = zip(teacher.values.tolist(), teacher.cols.tolist(), strict=True)
+    for r, (values, cols) in enumerate(rows):
+        for value, col in zip(values, cols, strict=True):
+            if value > -math.inf:
+                out[r, col] = value
+    return out
+
+
 @pytest.mark.parametrize(("top_k", "draft"), [(8, None), (8, "some"), (0, "some")])
 def test_batch_is_the_teacher_over_the_draft_vocabulary_at_each_rows_positions(
     target, tmp_path, top_k, draft
@@ -140,7 +155,9 @@ def test_batch_is_the_teacher_over_the_draft_vocabulary_at_each_rows_positions(
     batch = cache.batch(order, width, ids)
     columns = list(range(vocab)) if draft_ids is None else draft_ids.tolist()
     assert batch["teacher_rows"].shape == (3, width)
-    assert batch["teacher_log_probs"].shape[-1] == len(columns)
+    assert isinstance(batch["teacher_log_probs"], SparseTeacher) == bool(top_k)
+    log_p = by_hand(batch["teacher_log_probs"])
+    assert log_p.shape[-1] == len(columns)
     start = 0
     for b, i in enumerate(order):
         row, n = cache.row(i), len(data[i]["input_ids"])
@@ -148,18 +165,61 @@ def test_batch_is_the_teacher_over_the_draft_vocabulary_at_each_rows_positions(
         assert batch["teacher_rows"][b].nonzero().flatten().tolist() == where
         mine = slice(start, start + len(where))  # this row's positions, after the earlier rows'
         start += len(where)
-        assert torch.equal(batch["teacher_log_probs"][mine], row["log_p"][:, columns])
+        assert torch.equal(log_p[mine], row["log_p"][:, columns])
         top = row["log_p"].argmax(-1).tolist()
         expected = [columns.index(t) if t in columns else -1 for t in top]
         assert batch["teacher_best"][mine].tolist() == expected
         assert torch.equal(batch["features"][:, b, :n], row["features"].transpose(0, 1))
         assert not batch["features"][:, b, n:].any()
-    assert start == len(batch["teacher_log_probs"]) == len(batch["teacher_best"])
+    assert start == len(log_p) == len(batch["teacher_best"])
     if draft_ids is not None:  # some top tokens fall outside a 100-token draft vocabulary
         assert (batch["teacher_best"] == -1).any()
     ids[1, 0] += 1
     with pytest.raises(DataError, match="row 0 holds other tokens"):
         cache.batch(order, width, ids)
+
+
+def test_a_step_from_a_top_k_cache_equals_the_step_from_its_teacher_written_out(target, tmp_path):
+    """The training step reads a top-k cache's teacher in its sparse form: the loss, the
+    gradient of every weight and every metric equal those of the same step with that teacher
+    written out in full by hand (an EAGLE-3 head: three draft steps over a reduced vocabulary,
+    some top tokens outside it)."""
+    from specdec import drafters
+    from specdec.drafters.eagle3 import Eagle3Config
+    from specdec.training.step import collate, drafter_loss
+
+    data = rows()
+    torch.manual_seed(0)
+    counts = torch.arange(target.vocab_size, 0, -1).float()
+    drafter = drafters.build(target, Eagle3Config(draft_vocab_size=64, ttt_steps=3), counts)
+    cfg = spec(top_k=8, dtype="float16")
+    layers = drafter.required_target_layers
+    fp = fingerprint(target, SimpleNamespace(dtype="float32"), data, layers, cfg)
+    build_cache(target, data, fp, tmp_path / "c", cfg.batch_size, progress=False)
+    cache = TeacherCache(tmp_path / "c", fp, drafter.draft_ids)
+    sparse = collate(data, [4, 0, 2, 6], 0, cache)
+    assert isinstance(sparse["teacher_log_probs"], SparseTeacher)
+    dense = dict(sparse, teacher_log_probs=by_hand(sparse["teacher_log_probs"]))
+    assert (sparse["teacher_best"] == -1).any()  # some top tokens lie outside the 64
+    loss_cfg = SimpleNamespace(
+        mix=None, name="forward_kl", temperature=1.0, beta=0.5, teacher_top_k=None
+    )
+    counted = drafter.loss_masks(sparse["loss_mask"]).sum(dim=(1, 2)).float()
+    model, results = drafter.module, []
+    for batch in (sparse, dense):
+        model.zero_grad()
+        loss, metrics, _ = drafter_loss(drafter, model, None, batch, loss_cfg, counted)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics, grads))
+    (loss, metrics, grads), (loss_d, metrics_d, grads_d) = results
+    torch.testing.assert_close(loss, loss_d, atol=1e-5, rtol=1e-5)
+    assert metrics.keys() == metrics_d.keys()
+    for key in metrics:
+        torch.testing.assert_close(metrics[key], metrics_d[key], atol=1e-5, rtol=1e-5, msg=key)
+    assert grads.keys() == grads_d.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_d[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def shards(out: Path) -> dict:

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from specdec.losses import (
     LOSS_NAMES,
+    SparseTeacher,
+    acceptance_rate,
     distill_loss,
     expected_acceptance,
     masked_mean,
@@ -294,3 +296,69 @@ def test_expected_acceptance_is_one_minus_tvd():
     torch.testing.assert_close(
         expected_acceptance(target, target, mask), torch.tensor(1.0), atol=1e-6, rtol=0
     )
+
+
+def sparse_case(seed: int, keep: int, width: int = 12, vocab: int = 30):
+    """A target distribution over ``vocab`` tokens stored as a top-``keep`` cache does, over a
+    draft vocabulary of ``width`` of them (some top tokens fall outside it), and the same
+    teacher written out in full by hand: ``(SparseTeacher, [B, T, width] log-probabilities)``."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.log_softmax(torch.randn(B, T, vocab, generator=g) * 3, dim=-1)
+    draft_ids = torch.randperm(vocab, generator=g)[:width].tolist()
+    values, cols, fill = [], [], []
+    dense = torch.empty(B, T, width)
+    for b in range(B):
+        for t in range(T):
+            row = full[b, t].tolist()
+            top = sorted(range(vocab), key=lambda v: row[v], reverse=True)[:keep]
+            rest = math.log(1 - sum(math.exp(row[v]) for v in top)) - math.log(vocab - keep)
+            inside = [v for v in top if v in draft_ids]
+            values.append([row[v] for v in inside] + [-math.inf] * (keep - len(inside)))
+            cols.append([draft_ids.index(v) for v in inside] + [0] * (keep - len(inside)))
+            fill.append(rest)
+            for c, v in enumerate(draft_ids):
+                dense[b, t, c] = row[v] if v in top else rest
+    sparse = SparseTeacher(
+        torch.tensor(values).view(B, T, keep),
+        torch.tensor(cols).view(B, T, keep),
+        torch.tensor(fill).view(B, T),
+        width,
+    )
+    return sparse, dense
+
+
+@pytest.mark.parametrize(("keep", "temperature"), [(5, 1.0), (5, 0.7), (1, 1.0), (12, 2.0)])
+def test_sparse_teacher_gives_the_dense_forward_kl_acceptance_and_gradient(keep, temperature):
+    """Forward KL, its gradient and the acceptance overlap from the top-k form equal the same
+    quantities on the teacher written out in full (renormalised over the draft vocabulary for
+    the loss, not for the overlap)."""
+    sparse, dense = sparse_case(seed=keep, keep=keep)
+    assert (sparse.values == -math.inf).any()  # some top tokens lie outside the draft's
+    draft = (torch.randn(B, T, 12, generator=torch.Generator().manual_seed(9)) * 2).requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    p = torch.softmax(dense / temperature, dim=-1)
+    log_q = torch.log_softmax(draft / temperature, dim=-1)
+    expected = (p * (p.log() - log_q)).sum(-1)[mask.bool()].mean()
+    (want,) = torch.autograd.grad(expected, draft)
+    loss, parts = distill_loss(
+        draft, sparse, mask, mix={"forward_kl": 1.0}, temperature=temperature
+    )
+    (got,) = torch.autograd.grad(loss, draft)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+    assert parts["forward_kl"] == pytest.approx(float(expected.detach()), abs=1e-5)
+    overlap = torch.minimum(dense.exp(), torch.softmax(draft.detach(), -1)).sum(-1)
+    accept = acceptance_rate(draft.detach(), sparse, mask)
+    assert float(accept) == pytest.approx(float(overlap[mask.bool()].mean()), abs=1e-6)
+    assert torch.equal(sparse.dense(), dense)
+
+
+def test_sparse_teacher_is_written_out_for_any_other_loss():
+    """A mix beyond the forward KL reads the teacher in full: the same loss as from the dense
+    tensor."""
+    sparse, dense = sparse_case(seed=3, keep=4)
+    draft, mask = torch.randn(B, T, 12), torch.ones(B, T)
+    mix = {"forward_kl": 1.0, "tvd": 0.5}
+    from_sparse, _ = distill_loss(draft, sparse, mask, mix=mix)
+    from_dense, _ = distill_loss(draft, dense, mask, mix=mix)
+    torch.testing.assert_close(from_sparse, from_dense)

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from specdec.data.shards import MANIFEST, locked, read_manifest, write_atomic
 from specdec.errors import DataError
+from specdec.losses import SparseTeacher
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +326,8 @@ class TeacherCache:
         """The teacher of a micro-batch padded to ``width``, over the drafter's vocabulary, at
         the N positions ``teacher_rows`` [B, width] sets (those whose next token is an
         answer's), in their row-major order: ``teacher_log_probs`` [N, D] (what
-        ``Drafter.teacher`` computes from the target's logits, built without them),
+        ``Drafter.teacher`` computes from the target's logits, built without them; a
+        :class:`SparseTeacher` of them from a top-k cache),
         ``teacher_best`` [N] (the target's top token as a draft index, -1: outside the draft
         vocabulary); and ``features`` [L, B, width, H] when the drafter reads layers.
 
@@ -337,7 +339,7 @@ class TeacherCache:
         index = torch.full((vocab,), -1, dtype=torch.long)
         index[draft] = torch.arange(len(draft))
         taught = torch.zeros(len(indices), width, dtype=torch.bool)
-        log_p, best = [], []
+        log_p, best, cols, fills = [], [], [], []
         layers, hidden = len(self.layers), self.fp["hidden_size"]
         features = torch.zeros(layers, len(indices), width, hidden) if layers else None
         for b, i in enumerate(indices):
@@ -349,17 +351,18 @@ class TeacherCache:
             if ids is None:  # the full vocabulary
                 best.append(index[values.argmax(-1)])
                 log_p.append(values[:, draft])
-            else:  # the top k (best first), the rest spread evenly
+            else:  # the top k (best first) as draft indices, the rest spread evenly
                 best.append(index[ids[:, 0]])
-                rows = fill[:, None].expand(len(fill), len(draft)).clone()
                 col = index[ids]
-                kept = col >= 0
-                at = torch.arange(len(ids))[:, None].expand_as(ids)
-                rows[at[kept], col[kept]] = values[kept]
-                log_p.append(rows)
+                log_p.append(torch.where(col >= 0, values, -math.inf))
+                cols.append(col.clamp_min(0))
+                fills.append(fill)
             if features is not None:
                 features[:, b, :n] = row["features"].transpose(0, 1)
-        out = {"teacher_log_probs": torch.cat(log_p), "teacher_best": torch.cat(best)}
+        teacher = torch.cat(log_p)
+        if cols:  # kept sparse: no [N, D] tensor is built for the losses that read it so
+            teacher = SparseTeacher(teacher, torch.cat(cols), torch.cat(fills), len(draft))
+        out = {"teacher_log_probs": teacher, "teacher_best": torch.cat(best)}
         out["teacher_rows"] = taught
         if features is not None:
             out["features"] = features

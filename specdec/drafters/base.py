@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
+from specdec.losses import SparseTeacher
 
 #: how a drafter's own forward runs while decoding: auto (float16 on a CPU, where a draft step
 #: is bound by reading the weights; its own dtype elsewhere), a dtype (a converted copy of the
@@ -214,7 +215,8 @@ class Teacher:
     Args:
         log_p: ``[R, D]`` the target's log-probabilities over the full vocabulary, read at the
             teacher's D tokens (their sum is below 1 where the target puts mass outside them;
-            a loss renormalises them, acceptance metrics do not).
+            a loss renormalises them, acceptance metrics do not); a :class:`SparseTeacher` of
+            them from a top-k cache.
         best: ``[R]`` the target's full-vocabulary argmax as an index into those D tokens,
             -1 outside them (a position no draft can get right).
         row_of: ``[B, T]`` the row of ``log_p`` holding position (b, t), -1 where none does
@@ -387,6 +389,8 @@ def _restrict(log_p: torch.Tensor, best: torch.Tensor, ids: torch.Tensor | None)
     the argmax becoming an index into them (-1: outside them)."""
     if ids is None:
         return log_p, best
+    if isinstance(log_p, SparseTeacher):
+        log_p = log_p.dense()
     ids = ids.to(log_p.device)
     index = torch.full((log_p.shape[-1],), -1, dtype=torch.long, device=ids.device)
     index[ids] = torch.arange(len(ids), device=ids.device)

@@ -104,6 +104,8 @@ def drafter_loss(
             features = [out.hidden_states[i] for i in layers]
     at = teacher.mask.any(dim=0)  # [B, T]: the rows some step trains
     logits = model(ids, attention, features, at=at)  # [S, N, D] (or S tensors of their widths)
+    if isinstance(logits, torch.Tensor):  # one backward copy of [S, N, D], not S zero-filled
+        logits = logits.unbind(0)
     weights = drafter.step_weights()
     loss, metrics = 0.0, {}
     for s in range(len(logits)):
@@ -111,7 +113,7 @@ def drafter_loss(
         # on the others
         trained = teacher.mask[s]  # [B, T] booleans
         log_p, tokens = (x[None] for x in teacher.at(s))
-        draft = logits[s][trained[at]].float()[None]
+        draft = _rows(logits[s], trained[at]).float()[None]
         mask = torch.ones_like(tokens, dtype=torch.bool)
         step_loss, parts = distill_loss(
             draft,
@@ -151,6 +153,14 @@ def step_counts(drafter, batches: list[dict], accelerator) -> torch.Tensor:
     for batch in batches:  # a process may hold none (held-out rows fewer than processes)
         local += drafter.loss_masks(batch["loss_mask"]).sum(dim=(1, 2))
     return accelerator.reduce(local, "sum") / accelerator.num_processes
+
+
+def _rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x[keep]`` for ``[N]`` booleans ``keep``, by index (a backward that adds rows into a
+    zero tensor, not a masked accumulate) and not at all when every row is kept."""
+    if bool(keep.all()):
+        return x
+    return x.index_select(0, keep.nonzero().squeeze(-1))
 
 
 def _shift_left(mask: torch.Tensor) -> torch.Tensor:
