@@ -65,7 +65,9 @@ def main() -> None:
     build_teacher_cache(recipe, target, dataset, fp)  # nothing to do when it is there
     cache = open_teacher_cache(recipe, fp, drafter.teacher_vocab)
     model = drafter.module.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    fused = target.device.type in ("cpu", "cuda")  # as the training loop's
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=fused or None)
     pad = target.tokenizer.pad_token_id or 0
     size, group = recipe.train.batch_size, recipe.train.length_group
     lengths = torch.tensor([len(ids) for ids in dataset["input_ids"]])

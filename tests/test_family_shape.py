@@ -140,6 +140,7 @@ ROW_READERS = {  # families whose trainable module skips the rows a loss does no
     "eagle3": dict(num_layers=2, ttt_steps=3, draft_vocab_size=48),  # 2 layers: see below
     "medusa": dict(num_heads=3, lora_rank=0),
     "mtp": dict(num_modules=2, draft_vocab_size=48, init_from_target=False),
+    "draft_model": dict(num_layers=2, draft_vocab_size=48),
 }
 
 

@@ -98,10 +98,23 @@ class NextTokenModule(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask=None, features=(), at=None) -> torch.Tensor:
         """``[1, B, T, D]`` logits (the target's features are not read); with ``at``, the rows
-        read, ``[1, N, D]`` at those rows, in ``x[at]``'s order (a transformers model computes
-        them all)."""
-        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return (out.logits if at is None else out.logits[at]).unsqueeze(0)
+        read, ``[1, N, D]`` at those rows, in ``x[at]``'s order: the LM head runs there alone
+        when the model's logits are its LM head on the decoder's output (no soft-capping or
+        scaling between them), else at every row."""
+        kw = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+        if at is None or not _plain_read_out(self.lm.config):
+            out = self.lm(**kw).logits
+            return (out if at is None else out[at]).unsqueeze(0)
+        hidden = self.lm.get_decoder()(**kw).last_hidden_state  # [B, T, H], normed
+        return self.lm.get_output_embeddings()(hidden[at]).unsqueeze(0)
+
+
+def _plain_read_out(config) -> bool:
+    """Whether a transformers causal LM's logits are its LM head on its decoder's output."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "final_logit_softcapping", None) is None and getattr(
+        text, "logit_scale", None
+    ) in (None, 1.0)
 
 
 class DraftModelDrafter(TrainableDrafter):

@@ -149,7 +149,13 @@ def setup(recipe: Recipe) -> Run:
     drafter.module.train()
     trainable = [p for p in drafter.module.parameters() if p.requires_grad]
     groups = drafter.param_groups(trainable, cfg.lr)
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # one fused kernel per step instead of a pass per operation: half the optimizer's time on
+    # CPU (the draft model's trained 49k-row embedding made it a fifth of a step); FSDP's
+    # sharded parameters keep the default
+    fused = not fsdp and accelerator.device.type in ("cpu", "cuda")
+    optimizer = torch.optim.AdamW(
+        groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None
+    )
     scheduler = get_scheduler(
         "constant_with_warmup" if cfg.schedule == "constant" else cfg.schedule,
         optimizer,
