@@ -78,8 +78,7 @@ class SparseTeacher:
         row = torch.arange(len(fill), device=fill.device)[:, None].expand_as(cols)
         used = values > -math.inf
         out[row[used], cols[used]] = values[used]
-        out = out.view(self.shape)
-        return out
+        return out.view(self.shape)
 
     def renormalised(self, temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
         """The distribution at ``temperature`` renormalised over the ``width`` tokens:
@@ -300,7 +299,9 @@ def acceptance_rate(draft_logits: Tensor, target_log_probs: Tensor, mask: Tensor
     return masked_mean(overlap, mask)
 
 
-def sparse_forward_kl(draft_logits: Tensor, teacher: SparseTeacher, temperature: float = 1.0):
+def sparse_forward_kl(
+    draft_logits: Tensor, teacher: SparseTeacher, temperature: float = 1.0
+) -> Tensor:
     """``KL(p || q)`` per position, ``p`` the :class:`SparseTeacher` renormalised over its
     width and ``q`` the draft's softmax, both at ``temperature``: what :func:`token_losses`
     gives on the dense teacher, with no ``[..., width]`` tensor but the draft's logits.
