@@ -32,6 +32,7 @@ from specdec.data.build import (
     open_teacher_cache,
 )
 from specdec.target import FrozenTarget
+from specdec.training.setup import adamw
 from specdec.training.step import drafter_loss, micro_batch
 
 
@@ -66,8 +67,7 @@ def main() -> None:
     cache = open_teacher_cache(recipe, fp, drafter.teacher_vocab)
     model = drafter.module.train()
     trained = [p for p in model.parameters() if p.requires_grad]
-    fused = target.device.type in ("cpu", "cuda")  # as the training loop's
-    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=fused or None)
+    optimizer = adamw(trained, 1e-5, 0.0, target.device)  # the training loop's
     pad = target.tokenizer.pad_token_id or 0
     size, group = recipe.train.batch_size, recipe.train.length_group
     lengths = torch.tensor([len(ids) for ids in dataset["input_ids"]])

@@ -58,6 +58,11 @@ class SparseTeacher:
     def shape(self) -> tuple[int, ...]:
         return (*self.fill.shape, self.width)
 
+    @property
+    def used(self) -> Tensor:
+        """``[..., k]`` the slots that hold a token."""
+        return self.values > -math.inf
+
     def __len__(self) -> int:
         return len(self.fill)
 
@@ -76,15 +81,14 @@ class SparseTeacher:
         cols, fill = self.cols.flatten(0, -2), self.fill.float().flatten()
         out = fill[:, None].expand(len(fill), self.width).clone()
         row = torch.arange(len(fill), device=fill.device)[:, None].expand_as(cols)
-        used = values > -math.inf
+        used = self.used.flatten(0, -2)
         out[row[used], cols[used]] = values[used]
         return out.view(self.shape)
 
     def renormalised(self, temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
         """The distribution at ``temperature`` renormalised over the ``width`` tokens:
         ``(log p [..., k], log p of each other token [...], how many others [...])``."""
-        used = self.values > -math.inf
-        others = self.width - used.sum(-1)
+        others = self.width - self.used.sum(-1)
         values, fill = _scaled(self.values.float(), temperature), _scaled(self.fill, temperature)
         spread = fill + others.float().log()  # -inf when the k fill the vocabulary
         log_z = torch.logsumexp(torch.cat([values, spread[..., None]], dim=-1), dim=-1)
@@ -295,7 +299,7 @@ def acceptance_rate(draft_logits: Tensor, target_log_probs: Tensor, mask: Tensor
     overlap = torch.minimum(q, p_fill[..., None]).sum(dim=-1)
     q_kept = q.gather(-1, t.cols)
     own = torch.minimum(t.values.float().exp(), q_kept) - torch.minimum(p_fill[..., None], q_kept)
-    overlap = overlap + torch.where(t.values > -math.inf, own, 0.0).sum(dim=-1)
+    overlap = overlap + torch.where(t.used, own, 0.0).sum(dim=-1)
     return masked_mean(overlap, mask)
 
 
@@ -326,7 +330,7 @@ def sparse_forward_kl(
         )
     z = _scaled(draft_logits.float(), temperature)
     log_p, log_fill, others = teacher.renormalised(temperature)
-    used = teacher.values > -math.inf
+    used = teacher.used
     p, p_fill = log_p.exp(), log_fill.exp()
     entropy = torch.where(used, p * log_p, 0.0).sum(-1)
     entropy = entropy + torch.where(others > 0, others * p_fill * log_fill, 0.0)

@@ -290,8 +290,7 @@ class TeacherCache:
         [m, V] (top-k rows filled)."""
         out, (values, ids, fill) = self._read(index)
         if ids is not None:
-            log_p = fill[:, None].expand(len(fill), self.fp["vocab_size"]).clone()
-            values = log_p.scatter_(1, ids, values)
+            values = SparseTeacher(values, ids, fill, self.fp["vocab_size"]).dense()
         out["log_p"] = values
         return out
 
