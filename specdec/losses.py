@@ -200,7 +200,8 @@ def distill_loss(
     Args:
         draft_logits: drafter logits.  # [B, T, V]
         target_logits: target logits over the same vocabulary, or a :class:`SparseTeacher`
-            (a forward KL alone is computed from it directly, any other mix densifies it).
+            (forward KL, and hard CE given ``target_tokens``, are computed from it directly;
+            any other mix writes it out in full).
             # [B, T, V]
         mask: True / 1 where a position is trained on.  # [B, T]
         mix: loss name to weight, e.g. ``{"forward_kl": 1.0, "ce": 0.1}``; a weight of 0 still
@@ -220,10 +221,10 @@ def distill_loss(
     for name in mix:
         _check_name(name)
     if isinstance(target_logits, SparseTeacher):
-        if set(mix) == {"forward_kl"} and teacher_top_k is None:
-            per_token = sparse_forward_kl(draft_logits, target_logits, temperature)
-            value = masked_mean(per_token, mask, num_tokens)
-            return mix["forward_kl"] * value, {"forward_kl": value.detach()}
+        labelled = target_tokens is not None or "ce" not in mix
+        if set(mix) <= {"forward_kl", "ce"} and teacher_top_k is None and labelled:
+            return _sparse_mix(draft_logits, target_logits, mask, mix, temperature,
+                               target_tokens, num_tokens)  # fmt: skip
         target_logits = target_logits.dense()
     log_q, log_p = _log_probs(draft_logits, target_logits, temperature, teacher_top_k)
     if "ce" in mix and target_tokens is None:
@@ -338,6 +339,29 @@ def sparse_forward_kl(
     kept = torch.where(used, (p - p_fill[..., None]) * z.gather(-1, teacher.cols), 0.0).sum(-1)
     cross = kept + p_fill * z.sum(-1) - lse
     return entropy - cross
+
+
+def _sparse_mix(
+    draft_logits: Tensor,
+    teacher: SparseTeacher,
+    mask: Tensor,
+    mix: dict[str, float],
+    temperature: float,
+    target_tokens: Tensor | None,
+    num_tokens: Tensor | float | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`distill_loss` of forward KL and hard CE on a sparse teacher, never written out."""
+    loss, parts = draft_logits.new_zeros((), dtype=torch.float32), {}
+    for name, weight in mix.items():
+        if name == "forward_kl":
+            per_token = sparse_forward_kl(draft_logits, teacher, temperature)
+        else:
+            log_q = torch.log_softmax(_scaled(draft_logits.float(), temperature), dim=-1)
+            per_token = _hard_ce(log_q, target_tokens)
+        value = masked_mean(per_token, mask, num_tokens)
+        loss = loss + weight * value
+        parts[name] = value.detach()
+    return loss, parts
 
 
 def _check_name(name: str) -> None:

@@ -226,3 +226,44 @@ def test_per_row_agreements_of_a_micro_batch():
     assert count.tolist() == trained.sum(dim=1).tolist() == [9, 3, 4]
     assert agree.tolist() == (hits & trained).sum(dim=1).tolist()
     assert 0 < sum(agree.tolist()) < sum(count.tolist())  # neither all nor none agree
+
+
+def test_hard_ce_of_a_micro_batch_is_on_the_targets_own_argmax():
+    """``loss.name: ce`` trains on the target's full-vocabulary argmax: EAGLE-3's first step at
+    row t against the target's logits at t + 1, computed here from the full forwards, and no
+    loss where that token lies outside the draft vocabulary (the draft can never emit it)."""
+    from specdec.config.schema import LossConfig
+    from specdec.training.step import drafter_loss
+
+    target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
+    torch.manual_seed(0)
+    counts = torch.rand(target.vocab_size, generator=torch.Generator().manual_seed(3))
+    size = target.vocab_size // 2
+    config = drafters.drafter_class("eagle3").config_class(draft_vocab_size=size, ttt_steps=2)
+    drafter = drafters.build(target, config, counts)
+    model, layers = drafter.module, drafter.required_target_layers
+    ids = torch.randint(0, target.vocab_size, (2, 14), generator=torch.Generator().manual_seed(4))
+    attention = torch.ones_like(ids)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[0, 3:], loss_mask[1, 5:12] = 1, 1
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    steps = drafter.loss_masks(loss_mask).sum(dim=(1, 2)).float()
+    _, metrics, _ = drafter_loss(drafter, model, target, batch, LossConfig(name="ce"), steps)
+
+    with torch.no_grad():
+        out = target.forward(ids, attention, hidden_layers=layers)
+        draft = model(ids, attention, [out.hidden_states[i] for i in layers])[0]  # [B, T, D]
+    draft_ids = drafter.draft_ids.tolist()
+    total, count, outside = 0.0, 0, 0
+    for b in range(2):
+        for t in range(12):
+            if not loss_mask[b, t + 2]:
+                continue
+            count += 1
+            best = int(out.logits[b, t + 1].argmax())
+            if best not in draft_ids:
+                outside += 1
+                continue
+            total -= float(torch.log_softmax(draft[b, t].double(), -1)[draft_ids.index(best)])
+    assert 0 < outside < count  # some of the target's tokens fall outside the draft's
+    assert float(metrics["train/loss/ce"]) == pytest.approx(total / count, rel=1e-4)

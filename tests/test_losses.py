@@ -353,6 +353,43 @@ def test_sparse_teacher_gives_the_dense_forward_kl_acceptance_and_gradient(keep,
     assert torch.equal(sparse.dense(), dense)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_sparse_teacher_gives_the_dense_mix_of_forward_kl_and_hard_ce(temperature, monkeypatch):
+    """Forward KL plus hard CE on the target's tokens from the top-k form, the teacher never
+    written out: the loss, each part and the gradient equal those computed by hand on the
+    teacher in full; a token outside the draft vocabulary (-1) costs nothing."""
+    sparse, dense = sparse_case(seed=5, keep=4)
+    draft = (torch.randn(B, T, 12, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    tokens = torch.tensor([[3, -1, 7], [0, 11, -1]])
+    p = torch.softmax(dense / temperature, dim=-1)
+    log_q = torch.log_softmax(draft / temperature, dim=-1)
+    kl = (p * (p.log() - log_q)).sum(-1)
+    ce = torch.zeros(B, T)
+    for b in range(B):
+        for t in range(T):
+            if tokens[b, t] >= 0:
+                ce[b, t] = -log_q[b, t, tokens[b, t]]
+    kept = mask.bool()
+    want_kl, want_ce = kl[kept].sum() / 5, ce[kept].sum() / 5
+    expected = 0.25 * want_kl + 0.75 * want_ce
+    (want,) = torch.autograd.grad(expected, draft)
+
+    def written_out(self):
+        raise AssertionError("the teacher was written out in full")
+
+    monkeypatch.setattr(SparseTeacher, "dense", written_out)
+    mix = {"forward_kl": 0.25, "ce": 0.75}
+    loss, parts = distill_loss(
+        draft, sparse, mask, mix=mix, temperature=temperature, target_tokens=tokens
+    )
+    (got,) = torch.autograd.grad(loss, draft)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+    assert float(parts["forward_kl"]) == pytest.approx(float(want_kl), abs=1e-5)
+    assert float(parts["ce"]) == pytest.approx(float(want_ce), abs=1e-5)
+
+
 def test_sparse_teacher_is_written_out_for_any_other_loss():
     """A mix beyond the forward KL reads the teacher in full: the same loss as from the dense
     tensor."""

@@ -123,6 +123,7 @@ def drafter_loss(
             temperature=loss_cfg.temperature,
             beta=loss_cfg.beta,
             teacher_top_k=loss_cfg.teacher_top_k,
+            target_tokens=tokens,  # ce: the target's own argmax; none outside the draft's
             num_tokens=num_tokens[s],
         )
         loss = loss + float(weights[s]) * step_loss
