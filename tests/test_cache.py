@@ -23,7 +23,7 @@ from test_training import setup
 from specdec.data import cache as cache_mod
 from specdec.data.cache import TeacherCache, build_cache, fingerprint
 from specdec.errors import DataError
-from specdec.losses import SparseTeacher
+from specdec.sparse_teacher import SparseTeacher
 from specdec.target import FrozenTarget
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from specdec.losses import (
     LOSS_NAMES,
-    SparseTeacher,
     acceptance_rate,
     distill_loss,
     expected_acceptance,
@@ -16,6 +15,7 @@ from specdec.losses import (
     token_losses,
     top1_agreement,
 )
+from specdec.sparse_teacher import SparseTeacher
 
 B, T, V = 2, 3, 7
 

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from specdec.data.shards import MANIFEST, locked, read_manifest, write_atomic
 from specdec.errors import DataError
-from specdec.losses import SparseTeacher
+from specdec.sparse_teacher import SparseTeacher
 
 logger = logging.getLogger(__name__)
 

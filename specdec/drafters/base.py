@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
-from specdec.losses import SparseTeacher
+from specdec.sparse_teacher import SparseTeacher
 
 #: how a drafter's own forward runs while decoding: auto (float16 on a CPU, where a draft step
 #: is bound by reading the weights; its own dtype elsewhere), a dtype (a converted copy of the
