@@ -20,6 +20,7 @@ from specdec.errors import ConfigError, ModelError
 from specdec.scoring.certificate import sampling_certificate
 from specdec.scoring.run import encode_prompt
 from specdec.target import FrozenTarget
+from specdec.training.setup import adamw
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -94,9 +95,13 @@ def test_float16_copy_follows_an_optimizer_step(target, vocab):
     drafter = modules(target, num_modules=2, draft_vocab_size=vocab, scale=0.3)
     drafter.configure("float16")
     _assert_drafts_follow_training_forward(drafter, target, FORWARD_TOLERANCE["float16"])
-    with torch.no_grad():  # what an optimizer step does: the weights change in place
-        for p in drafter.module.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    # a step of the training loop's own optimizer (fused on a CPU: one kernel writes the
+    # weights in place, which by itself leaves their version counters as they were)
+    trained = [p for p in drafter.module.parameters() if p.requires_grad]
+    optimizer = adamw(trained, lr=0.3, weight_decay=0.0, device=torch.device("cpu"))
+    for p in trained:
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    optimizer.step()
     _assert_drafts_follow_training_forward(drafter, target, FORWARD_TOLERANCE["float16"])
     assert all(p.dtype == torch.float32 for p in drafter.module.parameters())
     assert target.model.get_output_embeddings().weight.dtype == torch.float32

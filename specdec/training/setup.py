@@ -206,4 +206,17 @@ def adamw(params, lr: float, weight_decay: float, device: torch.device, sharded:
     half the optimizer's time on CPU, where the draft model's trained 49k-row embedding made
     it a fifth of a step) on CPU and CUDA; FSDP's sharded parameters keep the default."""
     fused = not sharded and device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+    if fused:
+        optimizer.register_step_post_hook(_mark_written)
+    return optimizer
+
+
+def _mark_written(optimizer, args, kwargs) -> None:
+    """The fused kernel writes the parameters without bumping their version counters; bump
+    them, as any in-place write does, so that what is derived from the weights and kept until
+    they change (a drafter's decoding copy, the compact forward's packed weights) is made
+    again after a step."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            torch.autograd.graph.increment_version(param)
