@@ -158,8 +158,8 @@ def distill_loss(
     if isinstance(target_logits, SparseTeacher):
         labelled = target_tokens is not None or "ce" not in mix
         if set(mix) <= {"forward_kl", "ce"} and teacher_top_k is None and labelled:
-            return _sparse_mix(draft_logits, target_logits, mask, mix, temperature,
-                               target_tokens, num_tokens)  # fmt: skip
+            args = (mix, temperature, target_tokens, num_tokens)
+            return _sparse_mix(draft_logits, target_logits, mask, *args)
         target_logits = target_logits.dense()
     log_q, log_p = _log_probs(draft_logits, target_logits, temperature, teacher_top_k)
     if "ce" in mix and target_tokens is None:
