@@ -158,20 +158,24 @@ def distill_loss(
     if isinstance(target_logits, SparseTeacher):
         labelled = target_tokens is not None or "ce" not in mix
         if set(mix) <= {"forward_kl", "ce"} and teacher_top_k is None and labelled:
-            args = (mix, temperature, target_tokens, num_tokens)
-            return _sparse_mix(draft_logits, target_logits, mask, *args)
+            teacher = target_logits
+
+            def sparse_token_loss(name: str) -> Tensor:
+                if name == "forward_kl":
+                    return sparse_forward_kl(draft_logits, teacher, temperature)
+                log_q = torch.log_softmax(scaled(draft_logits.float(), temperature), dim=-1)
+                return _hard_ce(log_q, target_tokens)
+
+            return _weighted(mix, sparse_token_loss, mask, num_tokens)
         target_logits = target_logits.dense()
     log_q, log_p = _log_probs(draft_logits, target_logits, temperature, teacher_top_k)
     if "ce" in mix and target_tokens is None:
         target_tokens = target_logits.argmax(dim=-1)
-    loss = log_q.new_zeros(())
-    parts = {}
-    for name, weight in mix.items():
-        per_token = _token_loss(name, log_q, log_p, beta, teacher_top_k, target_tokens)
-        value = masked_mean(per_token, mask, num_tokens)
-        loss = loss + weight * value
-        parts[name] = value.detach()
-    return loss, parts
+
+    def token_loss(name: str) -> Tensor:
+        return _token_loss(name, log_q, log_p, beta, teacher_top_k, target_tokens)
+
+    return _weighted(mix, token_loss, mask, num_tokens)
 
 
 @torch.no_grad()
@@ -239,24 +243,13 @@ def acceptance_rate(draft_logits: Tensor, target_log_probs: Tensor, mask: Tensor
     return masked_mean(overlap, mask)
 
 
-def _sparse_mix(
-    draft_logits: Tensor,
-    teacher: SparseTeacher,
-    mask: Tensor,
-    mix: dict[str, float],
-    temperature: float,
-    target_tokens: Tensor | None,
-    num_tokens: Tensor | float | None,
+def _weighted(
+    mix: dict[str, float], token_loss, mask: Tensor, num_tokens: Tensor | float | None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """:func:`distill_loss` of forward KL and hard CE on a sparse teacher, never written out."""
-    loss, parts = draft_logits.new_zeros((), dtype=torch.float32), {}
+    """``(sum_n w_n * masked_mean(token_loss(n)), each masked mean detached)`` over ``mix``."""
+    loss, parts = torch.zeros((), device=mask.device), {}
     for name, weight in mix.items():
-        if name == "forward_kl":
-            per_token = sparse_forward_kl(draft_logits, teacher, temperature)
-        else:
-            log_q = torch.log_softmax(scaled(draft_logits.float(), temperature), dim=-1)
-            per_token = _hard_ce(log_q, target_tokens)
-        value = masked_mean(per_token, mask, num_tokens)
+        value = masked_mean(token_loss(name), mask, num_tokens)
         loss = loss + weight * value
         parts[name] = value.detach()
     return loss, parts
