@@ -29,12 +29,15 @@ from specdec.target import FrozenTarget
 CHOICES = [
     (0, "float32"),
     (0, "float16"),
+    (0, "bfloat16"),
     (0, "fp8"),
     (256, "float16"),
+    (256, "bfloat16"),
     (256, "fp8"),
     (64, "float16"),
     (64, "fp8"),
     (16, "float16"),
+    (16, "fp8"),
 ]
 
 

@@ -243,6 +243,20 @@ def acceptance_rate(draft_logits: Tensor, target_log_probs: Tensor, mask: Tensor
     return masked_mean(overlap, mask)
 
 
+def teacher_mass(target_log_probs: Tensor, mask: Tensor) -> Tensor:
+    """Mean over unmasked positions of the probability the target puts on the draft's tokens
+    (``train/teacher_mass``): what no draft can reach is one minus it.
+
+    Args:
+        target_log_probs: the target's full-vocabulary log-probabilities read at the draft's
+            tokens, or a :class:`SparseTeacher` of them.  # [B, T, D]
+        mask: True / 1 where a position counts.  # [B, T]
+    """
+    if isinstance(target_log_probs, SparseTeacher):
+        return masked_mean(target_log_probs.log_mass().exp(), mask)
+    return masked_mean(torch.logsumexp(target_log_probs.float(), dim=-1).exp(), mask)
+
+
 def _weighted(
     mix: dict[str, float], token_loss, mask: Tensor, num_tokens: Tensor | float | None
 ) -> tuple[Tensor, dict[str, Tensor]]:

@@ -75,9 +75,19 @@ class SparseTeacher:
         ``(log p [..., k], log p of each other token [...], how many others [...])``."""
         others = self.width - self.used.sum(-1)
         values, fill = scaled(self.values.float(), temperature), scaled(self.fill, temperature)
-        spread = fill + others.float().log()  # -inf when the k fill the vocabulary
-        log_z = torch.logsumexp(torch.cat([values, spread[..., None]], dim=-1), dim=-1)
+        log_z = _log_total(values, fill, others)
         return values - log_z[..., None], fill - log_z, others
+
+    def log_mass(self) -> Tensor:
+        """``[...]`` the log of the probability the target puts on the ``width`` tokens."""
+        others = self.width - self.used.sum(-1)
+        return _log_total(self.values.float(), self.fill.float(), others)
+
+
+def _log_total(values: Tensor, fill: Tensor, others: Tensor) -> Tensor:
+    """``log(sum exp(values) + others * exp(fill))`` per position."""
+    spread = fill + others.float().log()  # -inf when the k fill the vocabulary
+    return torch.logsumexp(torch.cat([values, spread[..., None]], dim=-1), dim=-1)
 
 
 def sparse_forward_kl(

@@ -3,6 +3,7 @@ over the full vocabulary, bounded for the lossy storage), resuming after a kill 
 duplicates, refusing caches of something else, and training from it equal to training online."""
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -381,11 +382,28 @@ def test_estimate_matches_the_files_within_their_headers(target, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["tiny.yaml", "tiny_eagle3.yaml"])
-def test_training_from_the_full_cache_equals_training_online(files, tmp_path, recipe):
+def test_training_from_the_full_cache_equals_training_online(files, tmp_path, recipe, monkeypatch):
     """float32 over the full vocabulary: the same teacher, so the same weights after 3 steps
-    (to float rounding: the cache's batches are padded differently)."""
+    (to float rounding: the cache's batches are padded differently). From the cache the
+    target's forward runs only to build it."""
     from specdec.config import load_recipe
+    from specdec.target import FrozenTarget
     from specdec.training.loop import train
+
+    # per call of the target's forward: was it building the cache, or the drafter (EAGLE-3's
+    # head starts from one forward on a probe text), rather than teaching a step?
+    forwards: list[bool] = []
+    real = FrozenTarget.forward
+
+    def counted(self, *args, **kwargs):
+        frame, building = sys._getframe(), False
+        while frame is not None and not building:
+            building = frame.f_code.co_name in ("encode_rows", "init_from_target")
+            frame = frame.f_back
+        forwards.append(building)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FrozenTarget, "forward", counted)
 
     def run(name: str, *extra: str) -> dict:
         recipe_path = ROOT / "recipes" / "debug" / recipe
@@ -405,7 +423,10 @@ def test_training_from_the_full_cache_equals_training_online(files, tmp_path, re
         return load_file(tmp_path / name / "state" / "model.safetensors")
 
     online = run("online")
+    assert not all(forwards)  # the teacher of every step
+    forwards.clear()
     cached = run("cached", "data.teacher=cache", "data.cache.top_k=0", "data.cache.dtype=float32")
+    assert any(forwards) and all(forwards)  # the cache's one pass, and nothing after it
     lossy = run("lossy", "data.teacher=cache", "data.cache.top_k=4", "data.cache.dtype=fp8")
     assert (tmp_path / "cached" / "teacher-cache" / "manifest.json").exists()
     assert online.keys() == cached.keys()
@@ -431,6 +452,22 @@ def test_cache_command_builds_resumes_and_refuses_in_one_line(files, tmp_path, c
     manifest = json.loads((tmp_path / "run" / "teacher-cache" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["shards"] == 3
     assert f"{manifest['fingerprint']['rows']} rows, {manifest['tokens']} tokens" in line
+    # who made it: the resolved recipe (every key, defaults included), the target's tokenizer
+    import dataclasses
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from specdec.config import load_recipe
+
+    resolved = dataclasses.asdict(load_recipe(recipe, sets))
+    saved = yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
+    vocab = AutoTokenizer.from_pretrained(files / "target").get_vocab()
+    vocab_sha = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
+    assert manifest["made_by"] == {
+        "recipe_sha256": hashlib.sha256(saved.encode()).hexdigest(),
+        "tokenizer": {"name": str(files / "target"), "vocab_sha256": vocab_sha},
+    }
     mtimes = [
         p.stat().st_mtime_ns for p in sorted((tmp_path / "run" / "teacher-cache").glob("shard-*"))
     ]

@@ -50,19 +50,21 @@ def features(target, drafter, ids):
 
 
 @torch.no_grad()
-def test_training_time_test_equals_cached_decoding(target):
+@pytest.mark.parametrize("steps", [3, 7])  # the default and the most the config allows
+def test_training_time_test_equals_cached_decoding(target, steps):
     """Step s at row t of the unrolled training forward is the head decoding with its KV cache:
     the verified prefix entered from the target's features, then s entries of its own."""
-    drafter = head(target, draft_vocab_size=64, ttt_steps=3)
+    drafter = head(target, draft_vocab_size=64, ttt_steps=steps)
     model = drafter.module.eval()
     ids = torch.randint(0, target.vocab_size, (1, 14), generator=torch.Generator().manual_seed(1))
     _, feats = features(target, drafter, ids)
-    unrolled = model(ids, torch.ones_like(ids), feats)  # [3, 1, 14, 64]
-    for t in (0, 5, 9):
+    unrolled = model(ids, torch.ones_like(ids), feats)  # [S, 1, 14, 64]
+    assert unrolled.shape[0] == steps
+    for t in [t for t in (0, 5, 9) if t + 1 + steps < 14]:
         cache = DraftCache(model, torch.float32)
         fused = model.fuse([f[0, : t + 1] for f in feats])
         x = model.decode(model.embedding(ids[0, 1 : t + 2]), fused, 0, cache)[-1:]
-        for s in range(3):
+        for s in range(steps):
             torch.testing.assert_close(model.logits(x)[0], unrolled[s, 0, t], atol=1e-5, rtol=1e-4)
             token = ids[0, t + 2 + s : t + 3 + s]  # the data's token, as in training
             x = model.decode(model.embedding(token), x, t + 1 + s, cache)
@@ -306,3 +308,47 @@ def test_initial_head_reads_out_like_the_targets_logit_lens():
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     fused = drafter.module.fuse([f[0, 1:] for f in feats])
     assert fused.pow(2).mean().sqrt().item() == pytest.approx(1.0, rel=0.5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("noise", [0.0, 0.5])
+def test_feature_noise_is_relative_gaussian_and_only_while_training(target, monkeypatch, noise):
+    """``feature_noise`` adds noise of that many standard deviations of the fused features to
+    what the first decoder layer reads, fresh each forward, while training only: decoding and
+    evaluation see the features as they are."""
+    drafter = head(target, draft_vocab_size=64, ttt_steps=2, feature_noise=noise)
+    model = drafter.module
+    ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    _, feats = features(target, drafter, ids)
+    feats = [10.0 * f for f in feats]  # a scale far from 1: the noise follows the features'
+    fused = model.fuse(feats)
+    seen = []
+    first = model.layers[0].qkv
+    monkeypatch.setattr(
+        model.layers[0], "qkv", lambda x, *rest: seen.append(x.clone()) or first(x, *rest)
+    )
+    reads = []
+    for mode in (model.eval, model.train, model.train):
+        mode()
+        seen.clear()
+        model(ids, None, feats)
+        reads.append(seen[0])  # step 0's input of the first layer
+    clean, noisy, again = reads
+    assert torch.equal(clean, fused)
+    if noise == 0:
+        assert torch.equal(noisy, fused) and torch.equal(again, fused)
+        return
+    drawn = (noisy - fused).flatten()
+    assert float(drawn.std() / fused.std()) == pytest.approx(noise, rel=0.1)
+    assert abs(float(drawn.mean())) < 0.1 * float(drawn.std())
+    assert abs(float(torch.corrcoef(torch.stack([drawn, fused.flatten()]))[0, 1])) < 0.1
+    assert not torch.equal(noisy, again)  # drawn anew each forward
+
+
+def test_unrolled_steps_are_limited_to_seven():
+    from specdec.config import load_recipe
+    from specdec.errors import ConfigError
+
+    assert load_recipe(None, ["drafter.type=eagle3", "drafter.ttt_steps=7"]).drafter.ttt_steps == 7
+    with pytest.raises(ConfigError, match=r"drafter.ttt_steps=8: expected <= 7, got 8"):
+        load_recipe(None, ["drafter.type=eagle3", "drafter.ttt_steps=8"])

@@ -254,12 +254,13 @@ def test_hard_ce_of_a_micro_batch_is_on_the_targets_own_argmax():
         out = target.forward(ids, attention, hidden_layers=layers)
         draft = model(ids, attention, [out.hidden_states[i] for i in layers])[0]  # [B, T, D]
     draft_ids = drafter.draft_ids.tolist()
-    total, count, outside = 0.0, 0, 0
+    total, count, outside, mass = 0.0, 0, 0, 0.0
     for b in range(2):
         for t in range(12):
             if not loss_mask[b, t + 2]:
                 continue
             count += 1
+            mass += float(torch.softmax(out.logits[b, t + 1].double(), -1)[draft_ids].sum())
             best = int(out.logits[b, t + 1].argmax())
             if best not in draft_ids:
                 outside += 1
@@ -267,3 +268,47 @@ def test_hard_ce_of_a_micro_batch_is_on_the_targets_own_argmax():
             total -= float(torch.log_softmax(draft[b, t].double(), -1)[draft_ids.index(best)])
     assert 0 < outside < count  # some of the target's tokens fall outside the draft's
     assert float(metrics["train/loss/ce"]) == pytest.approx(total / count, rel=1e-4)
+    # the target's probability on the draft's tokens (what the draft can reach at all)
+    assert 0.3 < mass / count < 0.9
+    assert float(metrics["train/teacher_mass"]) == pytest.approx(mass / count, rel=1e-5)
+
+
+def test_unrolled_steps_are_weighted_by_decay_to_the_power_of_the_step():
+    """EAGLE-3's loss is ``sum_s decay**s * CE_s``, CE_s over step s's positions (row t
+    predicting token t + 2 + s from the target's logits at t + 1 + s), each step divided by
+    its own count; computed here from the full forwards, step by step."""
+    from specdec.config.schema import LossConfig
+    from specdec.training.step import drafter_loss
+
+    target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
+    torch.manual_seed(0)
+    config = drafters.drafter_class("eagle3").config_class(
+        draft_vocab_size=None, ttt_steps=3, step_weight_decay=0.5
+    )
+    drafter = drafters.build(target, config, None)
+    model, layers = drafter.module, drafter.required_target_layers
+    with torch.no_grad():  # off the identity start, where every step would read out alike
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids = torch.randint(0, target.vocab_size, (2, 14), generator=torch.Generator().manual_seed(4))
+    attention = torch.ones_like(ids)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[0, 3:], loss_mask[1, 5:12] = 1, 1
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    steps = drafter.loss_masks(loss_mask).sum(dim=(1, 2)).float()
+    loss, _, _ = drafter_loss(drafter, model, target, batch, LossConfig(name="ce"), steps)
+
+    with torch.no_grad():
+        out = target.forward(ids, attention, hidden_layers=layers)
+        draft = model(ids, attention, [out.hidden_states[i] for i in layers])  # [3, B, T, V]
+    want = 0.0
+    for s, weight in enumerate((1.0, 0.5, 0.25)):
+        total, count = 0.0, 0
+        for b in range(2):
+            for t in range(14 - 2 - s):
+                if loss_mask[b, t + 2 + s]:
+                    best = int(out.logits[b, t + 1 + s].argmax())
+                    total -= float(torch.log_softmax(draft[s, b, t].double(), -1)[best])
+                    count += 1
+        want += weight * total / count
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-4)

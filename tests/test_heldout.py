@@ -85,7 +85,7 @@ def expected_heldout(run_dir, recipe, heldout_rows):
     target = FrozenTarget.from_config(recipe.target)
     drafter = drafters.load(run_dir / "checkpoints" / "step-000004", target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
-    agree = overlap = positions = 0.0
+    agree = overlap = mass = positions = 0.0
     for r in heldout_rows.tolist():
         ids = torch.tensor([dataset[r]["input_ids"]])
         mask = torch.tensor(dataset[r]["loss_mask"])
@@ -100,7 +100,8 @@ def expected_heldout(run_dir, recipe, heldout_rows):
                 positions += 1
                 agree += float(q[t].argmax() == p[t].argmax())
                 overlap += float(torch.minimum(p[t], q[t]).sum())
-    return agree / positions, overlap / positions
+                mass += float(p[t, ids_out].sum())
+    return agree / positions, overlap / positions, mass / positions
 
 
 def test_heldout_metrics_every_log_interval(setup, tmp_path):  # noqa: F811
@@ -111,6 +112,7 @@ def test_heldout_metrics_every_log_interval(setup, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
     extra = ("data.heldout_rows=2", "train.log_every=1", "train.save_every=4")
     extra += ("drafter.init_from_target=true",)  # agreeing with the target often, not always
+    extra += ("drafter.draft_vocab_size=96",)  # the target puts mass outside the draft's tokens
     recipe = load_recipe(RECIPE, overrides(setup, run_dir, *extra))
     train(recipe)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -119,9 +121,10 @@ def test_heldout_metrics_every_log_interval(setup, tmp_path):  # noqa: F811
     target = FrozenTarget.from_config(recipe.target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
     _, heldout = split_rows(dataset, 2, recipe.run.seed)
-    acc, accept = expected_heldout(run_dir, recipe, heldout)
+    acc, accept, mass = expected_heldout(run_dir, recipe, heldout)
     assert logged[-1]["heldout/acc@1"] == pytest.approx(acc, abs=1e-6)
     assert logged[-1]["heldout/expected_accept"] == pytest.approx(accept, rel=1e-4)
+    assert 0 < mass < 0.99 and logged[-1]["heldout/teacher_mass"] == pytest.approx(mass, rel=1e-5)
     assert 0 < acc < 1 and 0 < accept < 1
     for m in logged:  # one source (the prompts file's name), a window of one step
         assert [k for k in m if k.startswith("train/acc@1/")] == ["train/acc@1/target/train"]

@@ -3,6 +3,7 @@ training forward and against transformers' generate, their law by a chi-square t
 mixing schedule, and a training run that mixes them in and resumes on the same rows."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -211,7 +212,10 @@ def test_on_policy_settings_are_checked(setup, tmp_path):  # noqa: F811
     load_recipe(recipe_path, policy_args(setup, tmp_path, *off))  # off: nothing to check
 
 
-def test_eagle3_trains_on_its_own_continuations(setup, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("teacher", ["online", "cache"])
+def test_eagle3_trains_on_its_own_continuations(setup, tmp_path, teacher):  # noqa: F811
+    """From the target online, or from a teacher cache of the fixed rows beside the target's
+    logits on the continuations (which no cache holds)."""
     from test_eagle3_training import overrides as eagle3_overrides
 
     from specdec.training.loop import train
@@ -224,6 +228,7 @@ def test_eagle3_trains_on_its_own_continuations(setup, tmp_path):  # noqa: F811
         "data.on_policy.prompts=2",
         "data.on_policy.max_new_tokens=6",
         "train.save_every=100",
+        f"data.teacher={teacher}",
     ]
     train(load_recipe(recipe, eagle3_overrides(setup, run_dir, *args)))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -232,3 +237,5 @@ def test_eagle3_trains_on_its_own_continuations(setup, tmp_path):  # noqa: F811
     assert 1 <= by_step[3]["train/rollout_length"] <= 6
     assert all("train/acc@1/drafter/on-policy" not in by_step[s] for s in (1, 2, 3))
     assert 0 <= by_step[4]["train/acc@1/drafter/on-policy"] <= 1
+    assert all(math.isfinite(m["train/loss"]) for m in by_step.values())
+    assert (run_dir / "teacher-cache" / "manifest.json").exists() == (teacher == "cache")

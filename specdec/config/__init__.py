@@ -17,6 +17,7 @@ from specdec.config.loader import (
     iter_recipes,
     load_recipe,
     recipe_from_dict,
+    recipe_text,
     recipe_to_dict,
     save_recipe,
 )
@@ -44,6 +45,6 @@ __all__ = [
     "Recipe", "RunConfig", "TargetConfig", "DrafterConfig", "PromptSource", "RegenerateConfig",
     "DataConfig", "LossConfig", "TrainConfig", "EvalConfig", "ExportConfig",
     "export_formats", "LOSS_NAMES", "TRACKERS", "describe", "iter_recipes", "load_recipe",
-    "recipe_from_dict", "recipe_to_dict", "save_recipe", "ACCELERATE_DIR", "DEFAULT_TARGET",
-    "LossName",
+    "recipe_from_dict", "recipe_text", "recipe_to_dict", "save_recipe", "ACCELERATE_DIR",
+    "DEFAULT_TARGET", "LossName",
 ]  # fmt: skip

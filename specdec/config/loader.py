@@ -186,12 +186,16 @@ def recipe_to_dict(recipe: Any) -> dict:
     return dataclasses.asdict(recipe)
 
 
+def recipe_text(recipe: Recipe) -> str:
+    """The resolved recipe as YAML: every key, defaults included."""
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True)
+
+
 def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:
     """Write the resolved recipe as YAML, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True)
-    write_text(path, "# Resolved recipe: every key, defaults included.\n" + body)
+    write_text(path, "# Resolved recipe: every key, defaults included.\n" + recipe_text(recipe))
 
 
 def iter_recipes(root: str | os.PathLike = "recipes") -> list[Path]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from specdec.config import PromptSource, Recipe, load_recipe, save_recipe
+from specdec.config import PromptSource, Recipe, load_recipe, recipe_text, save_recipe
 from specdec.data.chat import SFTStats, build_sft_dataset, prompt_messages
 from specdec.data.prompts import load_prompt_rows, split_heldout
 from specdec.data.regenerate import RegenerateStats, load_regenerated, regenerate
@@ -150,10 +150,10 @@ def cache_fingerprint(recipe: Recipe, target, dataset, layers) -> dict:
 def build_teacher_cache(recipe: Recipe, target, dataset, fp: dict, progress: bool = True) -> dict:
     """Cache the target's teacher for ``dataset`` into :func:`cache_dir`, resuming; returns
     the manifest."""
-    from specdec.data.cache import build_cache
+    from specdec.data.cache import build_cache, provenance
 
-    out = cache_dir(recipe)
-    return build_cache(target, dataset, fp, out, recipe.data.cache.batch_size, progress)
+    out, made_by = cache_dir(recipe), provenance(recipe_text(recipe), target.tokenizer)
+    return build_cache(target, dataset, fp, out, recipe.data.cache.batch_size, progress, made_by)
 
 
 def open_teacher_cache(recipe: Recipe, fp: dict, draft_ids=None):

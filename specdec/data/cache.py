@@ -20,7 +20,8 @@ layer, divided by their absolute maximum / 448 before the cast, the scale kept i
 
 Layout of a cache directory::
 
-    manifest.json             format, the fingerprint it was made for, counts (atomic writes)
+    manifest.json             format, the fingerprint it was made for, who made it (the
+                              recipe's and the tokenizer's hashes), counts (atomic writes)
     shard-00000.safetensors   rows [0, shard_rows), then the next rows, ...; each shard is
                               written to a temporary name, fsynced and renamed, so a killed
                               run leaves whole shards only and resumes with the missing ones
@@ -134,24 +135,43 @@ def check_fingerprint(out: Path, manifest: dict, fp: dict) -> None:
             )
 
 
-def build_cache(target, dataset, fp: dict, out: Path, batch_size: int, progress=True) -> dict:
+def provenance(recipe_text: str, tokenizer) -> dict:
+    """Who made a cache, kept in its manifest for people (a cache serves any recipe with the
+    same fingerprint): the recipe's sha256 and the tokenizer (its name and a hash of its
+    vocabulary; the fingerprint's ``data_sha256`` covers its token ids)."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
+    return {
+        "recipe_sha256": hashlib.sha256(recipe_text.encode()).hexdigest(),
+        "tokenizer": {
+            "name": str(getattr(tokenizer, "name_or_path", "")),
+            "vocab_sha256": hashlib.sha256(vocab).hexdigest(),
+        },
+    }
+
+
+def build_cache(
+    target, dataset, fp: dict, out: Path, batch_size: int, progress=True, made_by=None
+) -> dict:
     """Cache the teacher of every row of ``dataset`` into ``out``, resuming the shards already
-    there. Returns the manifest.
+    there; ``made_by`` (:func:`provenance`) is recorded when the cache is started. Returns the
+    manifest.
 
     Raises:
         DataError: ``out`` holds a cache made for something else, or files that are not one,
             or another process is writing it.
     """
     with locked(out):  # two writers would clear each other's shards in progress
-        return _build(target, dataset, fp, out, batch_size, progress)
+        return _build(target, dataset, fp, out, batch_size, progress, made_by)
 
 
-def _build(target, dataset, fp: dict, out: Path, batch_size: int, progress: bool) -> dict:
+def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, made_by) -> dict:
     manifest = read_manifest(out, FORMAT)
     if manifest is None:
         if any(out.glob("shard-*")):
             raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
         manifest = {"format": FORMAT, "fingerprint": fp, "complete": False}
+        if made_by:
+            manifest["made_by"] = made_by
     check_fingerprint(out, manifest, fp)
     fp = manifest["fingerprint"]  # the layers it holds, when more than asked for
     for stale in out.glob("*.tmp"):

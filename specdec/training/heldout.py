@@ -92,7 +92,7 @@ def heldout_metrics(run, batch_size: int) -> dict:
     steps = len(run.drafter.step_weights())
     keys = [f"train/acc@{s + 1}" for s in range(steps)]
     keys += [f"train/top5@{s + 1}" for s in range(steps)]
-    keys += ["train/loss", "train/expected_accept"]
+    keys += ["train/loss", "train/expected_accept", "train/teacher_mass"]
     keys += [f"train/expected_accept@{s + 1}" for s in range(1, steps)]
     # every process reduces the same keys, those with no held-out rows zeros
     device = accelerator.device

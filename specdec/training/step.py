@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.losses import acceptance_rate, distill_loss, masked_mean
+from specdec.losses import acceptance_rate, distill_loss, masked_mean, teacher_mass
 
 
 def micro_batch(
@@ -141,6 +141,7 @@ def drafter_loss(
         if s == 0:
             metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
             metrics["train/out_of_vocab"] = masked_mean((tokens < 0).float(), mask) * share
+            metrics["train/teacher_mass"] = teacher_mass(log_p, mask) * share
             row = trained.nonzero(as_tuple=True)[0]  # the batch row of each position
             hits = torch.zeros(trained.shape[0], dtype=torch.long, device=row.device)
             rows = (hits.index_add_(0, row, agree[0].long()), trained.sum(dim=1))  # per row
