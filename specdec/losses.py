@@ -245,7 +245,8 @@ def acceptance_rate(draft_logits: Tensor, target_log_probs: Tensor, mask: Tensor
 
 def teacher_mass(target_log_probs: Tensor, mask: Tensor) -> Tensor:
     """Mean over unmasked positions of the probability the target puts on the draft's tokens
-    (``train/teacher_mass``): what no draft can reach is one minus it.
+    (``train/teacher_mass``): what no draft can reach is one minus it. From a top-k cache it is
+    the read-back's (the tail spread evenly), exact to within that cache's total variation.
 
     Args:
         target_log_probs: the target's full-vocabulary log-probabilities read at the draft's

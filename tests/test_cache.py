@@ -452,26 +452,28 @@ def test_cache_command_builds_resumes_and_refuses_in_one_line(files, tmp_path, c
     manifest = json.loads((tmp_path / "run" / "teacher-cache" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["shards"] == 3
     assert f"{manifest['fingerprint']['rows']} rows, {manifest['tokens']} tokens" in line
-    # who made it: the resolved recipe (every key, defaults included), the target's tokenizer
-    import dataclasses
-
-    import yaml
+    # who made it: a copy of the resolved recipe beside the shards, the target's tokenizer
     from transformers import AutoTokenizer
 
     from specdec.config import load_recipe
 
-    resolved = dataclasses.asdict(load_recipe(recipe, sets))
-    saved = yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
+    copy = tmp_path / "run" / "teacher-cache" / "recipe.yaml"
+    assert load_recipe(copy) == load_recipe(recipe, sets)
     vocab = AutoTokenizer.from_pretrained(files / "target").get_vocab()
     vocab_sha = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
-    assert manifest["made_by"] == {
-        "recipe_sha256": hashlib.sha256(saved.encode()).hexdigest(),
+    made_by = {
+        "recipe": "recipe.yaml",
+        "recipe_sha256": hashlib.sha256(copy.read_bytes()).hexdigest(),
         "tokenizer": {"name": str(files / "target"), "vocab_sha256": vocab_sha},
     }
+    assert manifest["made_by"] == made_by
     mtimes = [
         p.stat().st_mtime_ns for p in sorted((tmp_path / "run" / "teacher-cache").glob("shard-*"))
     ]
-    assert main(["data", "cache", "--config", recipe, "--set", *sets]) == 0  # nothing to do
+    # nothing to do, for another recipe with the same fingerprint too; who made it stays
+    assert main(["data", "cache", "--config", recipe, "--set", *sets, "train.lr=0.5"]) == 0
+    again = json.loads((tmp_path / "run" / "teacher-cache" / "manifest.json").read_text())
+    assert again["made_by"] == made_by and load_recipe(copy).train.lr != 0.5
     assert mtimes == [
         p.stat().st_mtime_ns for p in sorted((tmp_path / "run" / "teacher-cache").glob("shard-*"))
     ]

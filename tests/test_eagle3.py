@@ -320,29 +320,30 @@ def test_feature_noise_is_relative_gaussian_and_only_while_training(target, monk
     model = drafter.module
     ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     _, feats = features(target, drafter, ids)
-    feats = [10.0 * f for f in feats]  # a scale far from 1: the noise follows the features'
-    fused = model.fuse(feats)
     seen = []
     first = model.layers[0].qkv
     monkeypatch.setattr(
         model.layers[0], "qkv", lambda x, *rest: seen.append(x.clone()) or first(x, *rest)
     )
-    reads = []
-    for mode in (model.eval, model.train, model.train):
-        mode()
-        seen.clear()
-        model(ids, None, feats)
-        reads.append(seen[0])  # step 0's input of the first layer
-    clean, noisy, again = reads
-    assert torch.equal(clean, fused)
-    if noise == 0:
-        assert torch.equal(noisy, fused) and torch.equal(again, fused)
-        return
-    drawn = (noisy - fused).flatten()
-    assert float(drawn.std() / fused.std()) == pytest.approx(noise, rel=0.1)
-    assert abs(float(drawn.mean())) < 0.1 * float(drawn.std())
-    assert abs(float(torch.corrcoef(torch.stack([drawn, fused.flatten()]))[0, 1])) < 0.1
-    assert not torch.equal(noisy, again)  # drawn anew each forward
+    for scale in (1.0, 30.0):  # the noise follows the features' scale, whatever it is
+        scaled = [scale * f for f in feats]
+        fused = model.fuse(scaled)
+        reads = []
+        for mode in (model.eval, model.train, model.train):
+            mode()
+            seen.clear()
+            model(ids, None, scaled)
+            reads.append(seen[0])  # step 0's input of the first layer
+        clean, noisy, again = reads
+        assert torch.equal(clean, fused)
+        if noise == 0:
+            assert torch.equal(noisy, fused) and torch.equal(again, fused)
+            continue
+        drawn = (noisy - fused).flatten()
+        assert float(drawn.std() / fused.std()) == pytest.approx(noise, rel=0.1)
+        assert abs(float(drawn.mean())) < 0.1 * float(drawn.std())
+        assert abs(float(torch.corrcoef(torch.stack([drawn, fused.flatten()]))[0, 1])) < 0.1
+        assert not torch.equal(noisy, again)  # drawn anew each forward
 
 
 def test_unrolled_steps_are_limited_to_seven():

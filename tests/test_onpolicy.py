@@ -213,12 +213,32 @@ def test_on_policy_settings_are_checked(setup, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("teacher", ["online", "cache"])
-def test_eagle3_trains_on_its_own_continuations(setup, tmp_path, teacher):  # noqa: F811
+def test_eagle3_trains_on_its_own_continuations(
+    setup,  # noqa: F811
+    tmp_path,
+    teacher,
+    monkeypatch,
+):
     """From the target online, or from a teacher cache of the fixed rows beside the target's
     logits on the continuations (which no cache holds)."""
+    import sys
+
     from test_eagle3_training import overrides as eagle3_overrides
 
     from specdec.training.loop import train
+
+    taught = []  # the target's forwards that teach a training step
+    real = FrozenTarget.forward
+
+    def counted(self, *args, **kwargs):
+        frame = sys._getframe()
+        while frame is not None and frame.f_code.co_name != "drafter_loss":
+            frame = frame.f_back
+        if frame is not None:
+            taught.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FrozenTarget, "forward", counted)
 
     recipe = ROOT / "recipes" / "debug" / "tiny_eagle3.yaml"
     run_dir = tmp_path / "run"
@@ -239,3 +259,6 @@ def test_eagle3_trains_on_its_own_continuations(setup, tmp_path, teacher):  # no
     assert 0 <= by_step[4]["train/acc@1/drafter/on-policy"] <= 1
     assert all(math.isfinite(m["train/loss"]) for m in by_step.values())
     assert (run_dir / "teacher-cache" / "manifest.json").exists() == (teacher == "cache")
+    # online every micro-batch runs the target; from the cache only the continuations' (the
+    # first in step 4 of the 4), and the held-out rows read the cache
+    assert len(taught) >= 4 if teacher == "online" else 1 <= len(taught) < 4

@@ -187,15 +187,17 @@ def recipe_to_dict(recipe: Any) -> dict:
 
 
 def recipe_text(recipe: Recipe) -> str:
-    """The resolved recipe as YAML: every key, defaults included."""
-    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True)
+    """The resolved recipe as YAML, every key, defaults included: what :func:`save_recipe`
+    writes."""
+    body = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True)
+    return "# Resolved recipe: every key, defaults included.\n" + body
 
 
 def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:
     """Write the resolved recipe as YAML, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, "# Resolved recipe: every key, defaults included.\n" + recipe_text(recipe))
+    write_text(path, recipe_text(recipe))
 
 
 def iter_recipes(root: str | os.PathLike = "recipes") -> list[Path]:

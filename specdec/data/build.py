@@ -150,10 +150,10 @@ def cache_fingerprint(recipe: Recipe, target, dataset, layers) -> dict:
 def build_teacher_cache(recipe: Recipe, target, dataset, fp: dict, progress: bool = True) -> dict:
     """Cache the target's teacher for ``dataset`` into :func:`cache_dir`, resuming; returns
     the manifest."""
-    from specdec.data.cache import build_cache, provenance
+    from specdec.data.cache import build_cache
 
-    out, made_by = cache_dir(recipe), provenance(recipe_text(recipe), target.tokenizer)
-    return build_cache(target, dataset, fp, out, recipe.data.cache.batch_size, progress, made_by)
+    out, size = cache_dir(recipe), recipe.data.cache.batch_size
+    return build_cache(target, dataset, fp, out, size, progress, recipe_text(recipe))
 
 
 def open_teacher_cache(recipe: Recipe, fp: dict, draft_ids=None):

@@ -22,6 +22,7 @@ Layout of a cache directory::
 
     manifest.json             format, the fingerprint it was made for, who made it (the
                               recipe's and the tokenizer's hashes), counts (atomic writes)
+    recipe.yaml               the resolved recipe that started it
     shard-00000.safetensors   rows [0, shard_rows), then the next rows, ...; each shard is
                               written to a temporary name, fsynced and renamed, so a killed
                               run leaves whole shards only and resumes with the missing ones
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "specdec-teacher-cache/1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+RECIPE = "recipe.yaml"  # the resolved recipe that started the cache, for people
 MIN_LOG_REST = -60.0  # the remaining mass is kept at least e^-60, so no log-probability is -inf
 
 
@@ -137,10 +139,12 @@ def check_fingerprint(out: Path, manifest: dict, fp: dict) -> None:
 
 def provenance(recipe_text: str, tokenizer) -> dict:
     """Who made a cache, kept in its manifest for people (a cache serves any recipe with the
-    same fingerprint): the recipe's sha256 and the tokenizer (its name and a hash of its
-    vocabulary; the fingerprint's ``data_sha256`` covers its token ids)."""
+    same fingerprint): the recipe (a copy beside the shards, and its sha256) and the
+    tokenizer (its name and a hash of its vocabulary; the fingerprint's ``data_sha256`` covers
+    its token ids)."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
     return {
+        "recipe": RECIPE,
         "recipe_sha256": hashlib.sha256(recipe_text.encode()).hexdigest(),
         "tokenizer": {
             "name": str(getattr(tokenizer, "name_or_path", "")),
@@ -150,28 +154,29 @@ def provenance(recipe_text: str, tokenizer) -> dict:
 
 
 def build_cache(
-    target, dataset, fp: dict, out: Path, batch_size: int, progress=True, made_by=None
+    target, dataset, fp: dict, out: Path, batch_size: int, progress=True, recipe_text=None
 ) -> dict:
     """Cache the teacher of every row of ``dataset`` into ``out``, resuming the shards already
-    there; ``made_by`` (:func:`provenance`) is recorded when the cache is started. Returns the
-    manifest.
+    there. A cache started here with ``recipe_text`` keeps a copy of it and its
+    :func:`provenance`. Returns the manifest.
 
     Raises:
         DataError: ``out`` holds a cache made for something else, or files that are not one,
             or another process is writing it.
     """
     with locked(out):  # two writers would clear each other's shards in progress
-        return _build(target, dataset, fp, out, batch_size, progress, made_by)
+        return _build(target, dataset, fp, out, batch_size, progress, recipe_text)
 
 
-def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, made_by) -> dict:
+def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, recipe) -> dict:
     manifest = read_manifest(out, FORMAT)
     if manifest is None:
         if any(out.glob("shard-*")):
             raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
         manifest = {"format": FORMAT, "fingerprint": fp, "complete": False}
-        if made_by:
-            manifest["made_by"] = made_by
+        if recipe is not None:
+            write_atomic(out / RECIPE, recipe)
+            manifest["made_by"] = provenance(recipe, target.tokenizer)
     check_fingerprint(out, manifest, fp)
     fp = manifest["fingerprint"]  # the layers it holds, when more than asked for
     for stale in out.glob("*.tmp"):
