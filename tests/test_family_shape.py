@@ -228,19 +228,13 @@ def test_per_row_agreements_of_a_micro_batch():
     assert 0 < sum(agree.tolist()) < sum(count.tolist())  # neither all nor none agree
 
 
-def test_hard_ce_of_a_micro_batch_is_on_the_targets_own_argmax():
-    """``loss.name: ce`` trains on the target's full-vocabulary argmax: EAGLE-3's first step at
-    row t against the target's logits at t + 1, computed here from the full forwards, and no
-    loss where that token lies outside the draft vocabulary (the draft can never emit it)."""
+def _hard_ce_micro_batch(target, drafter):
+    """The training step on two rows of 14 random tokens (answers from token 3 and over tokens
+    5-11) with ``loss.name: ce``: its loss and metrics, the answer mask, and the full
+    forwards to check them by hand: the target's, and the drafter's ``[S, B, T, D]``."""
     from specdec.config.schema import LossConfig
     from specdec.training.step import drafter_loss
 
-    target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
-    torch.manual_seed(0)
-    counts = torch.rand(target.vocab_size, generator=torch.Generator().manual_seed(3))
-    size = target.vocab_size // 2
-    config = drafters.drafter_class("eagle3").config_class(draft_vocab_size=size, ttt_steps=2)
-    drafter = drafters.build(target, config, counts)
     model, layers = drafter.module, drafter.required_target_layers
     ids = torch.randint(0, target.vocab_size, (2, 14), generator=torch.Generator().manual_seed(4))
     attention = torch.ones_like(ids)
@@ -248,11 +242,25 @@ def test_hard_ce_of_a_micro_batch_is_on_the_targets_own_argmax():
     loss_mask[0, 3:], loss_mask[1, 5:12] = 1, 1
     batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
     steps = drafter.loss_masks(loss_mask).sum(dim=(1, 2)).float()
-    _, metrics, _ = drafter_loss(drafter, model, target, batch, LossConfig(name="ce"), steps)
-
+    loss, metrics, _ = drafter_loss(drafter, model, target, batch, LossConfig(name="ce"), steps)
     with torch.no_grad():
         out = target.forward(ids, attention, hidden_layers=layers)
-        draft = model(ids, attention, [out.hidden_states[i] for i in layers])[0]  # [B, T, D]
+        draft = model(ids, attention, [out.hidden_states[i] for i in layers])
+    return loss.detach(), metrics, loss_mask, out, draft
+
+
+def test_hard_ce_of_a_micro_batch_is_on_the_targets_own_argmax():
+    """``loss.name: ce`` trains on the target's full-vocabulary argmax: EAGLE-3's first step at
+    row t against the target's logits at t + 1, computed here from the full forwards, and no
+    loss where that token lies outside the draft vocabulary (the draft can never emit it)."""
+    target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
+    torch.manual_seed(0)
+    counts = torch.rand(target.vocab_size, generator=torch.Generator().manual_seed(3))
+    size = target.vocab_size // 2
+    config = drafters.drafter_class("eagle3").config_class(draft_vocab_size=size, ttt_steps=2)
+    drafter = drafters.build(target, config, counts)
+    _, metrics, loss_mask, out, draft = _hard_ce_micro_batch(target, drafter)
+    draft = draft[0]  # step 0, [B, T, D]
     draft_ids = drafter.draft_ids.tolist()
     total, count, outside, mass = 0.0, 0, 0, 0.0
     for b in range(2):
@@ -277,30 +285,16 @@ def test_unrolled_steps_are_weighted_by_decay_to_the_power_of_the_step():
     """EAGLE-3's loss is ``sum_s decay**s * CE_s``, CE_s over step s's positions (row t
     predicting token t + 2 + s from the target's logits at t + 1 + s), each step divided by
     its own count; computed here from the full forwards, step by step."""
-    from specdec.config.schema import LossConfig
-    from specdec.training.step import drafter_loss
-
     target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
     torch.manual_seed(0)
     config = drafters.drafter_class("eagle3").config_class(
         draft_vocab_size=None, ttt_steps=3, step_weight_decay=0.5
     )
     drafter = drafters.build(target, config, None)
-    model, layers = drafter.module, drafter.required_target_layers
     with torch.no_grad():  # off the identity start, where every step would read out alike
-        for p in model.parameters():
+        for p in drafter.module.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    ids = torch.randint(0, target.vocab_size, (2, 14), generator=torch.Generator().manual_seed(4))
-    attention = torch.ones_like(ids)
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[0, 3:], loss_mask[1, 5:12] = 1, 1
-    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
-    steps = drafter.loss_masks(loss_mask).sum(dim=(1, 2)).float()
-    loss, _, _ = drafter_loss(drafter, model, target, batch, LossConfig(name="ce"), steps)
-
-    with torch.no_grad():
-        out = target.forward(ids, attention, hidden_layers=layers)
-        draft = model(ids, attention, [out.hidden_states[i] for i in layers])  # [3, B, T, V]
+    loss, _, loss_mask, out, draft = _hard_ce_micro_batch(target, drafter)  # draft [3, B, T, V]
     want = 0.0
     for s, weight in enumerate((1.0, 0.5, 0.25)):
         total, count = 0.0, 0
@@ -311,4 +305,4 @@ def test_unrolled_steps_are_weighted_by_decay_to_the_power_of_the_step():
                     total -= float(torch.log_softmax(draft[s, b, t].double(), -1)[best])
                     count += 1
         want += weight * total / count
-    assert float(loss.detach()) == pytest.approx(want, rel=1e-4)
+    assert float(loss) == pytest.approx(want, rel=1e-4)
