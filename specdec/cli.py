@@ -154,7 +154,7 @@ def _regenerate(args: argparse.Namespace) -> None:
 def _cache(args: argparse.Namespace) -> None:
     from specdec.data.build import cache_from_recipe, describe_cache
 
-    print(describe_cache(cache_from_recipe(args.config, args.set)))
+    print(describe_cache(cache_from_recipe(args.config, args.set, args.source)))
 
 
 def _train(args: argparse.Namespace) -> None:

@@ -183,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     a = dsub.add_parser("cache", help="cache the target's teacher (logits, hidden states)")
     a.add_argument("--config", required=True, help="recipe YAML (its data.cache section)")
     a.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides")
+    a.add_argument(
+        "--from", dest="source", metavar="DIR",
+        help="derive it from the complete cache DIR (a full-vocabulary or wider one) without "
+        "the target's forward: fewer top-k, fp8, fewer layers",
+    )  # fmt: skip
     a.set_defaults(handler="cache")
 
     t = sub.add_parser("train", help="distil a drafter from a recipe (under accelerate launch)")

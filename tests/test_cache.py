@@ -436,16 +436,21 @@ def test_training_from_the_full_cache_equals_training_online(files, tmp_path, re
     assert any(not torch.allclose(lossy[k], v, atol=1e-4) for k, v in online.items())
 
 
-def test_cache_command_builds_resumes_and_refuses_in_one_line(files, tmp_path, capsys):
-    from specdec.cli import main
-
-    sets = [
+def command_sets(files, tmp_path) -> list[str]:
+    """The debug recipes' overrides for the tiny target and prompt files, run in ``tmp_path``."""
+    return [
         f"target.model={files / 'target'}",
         f"run.output_dir={tmp_path / 'run'}",
         f"data.prompts=[{files / 'train.jsonl'}]",
         f"eval.prompts=[{files / 'eval.jsonl'}]",
         "data.cache.shard_rows=3",
     ]
+
+
+def test_cache_command_builds_resumes_and_refuses_in_one_line(files, tmp_path, capsys):
+    from specdec.cli import main
+
+    sets = command_sets(files, tmp_path)
     recipe = str(ROOT / "recipes" / "debug" / "tiny_eagle3.yaml")
     assert main(["data", "cache", "--config", recipe, "--set", *sets]) == 0
     line = capsys.readouterr().out.strip()

@@ -208,22 +208,30 @@ def regenerate_from_recipe(path: str, overrides: list[str]) -> DataReport:
     return build_data(recipe, target)
 
 
-def cache_from_recipe(path: str, overrides: list[str]) -> dict:
+def cache_from_recipe(path: str, overrides: list[str], source: str | None = None) -> dict:
     """``specdec data cache``: the recipe's data (regenerated if it asks), its drafter's
-    layers, then the teacher cache; returns what was cached and how fast."""
+    layers, then the teacher cache, built by the target or derived from the cache ``source``;
+    returns what was cached and how fast."""
     import time
 
     from specdec import drafters
+    from specdec.data.cache_derive import derive_cache, source_manifest
     from specdec.target import FrozenTarget
 
     recipe = load_recipe(path, overrides)
+    if source is not None:
+        source_manifest(Path(source))  # before the target loads
     target = FrozenTarget.from_config(recipe.target)
     build_data(recipe, target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
     layers = drafters.for_recipe(recipe.drafter, target, dataset).required_target_layers
     start = time.perf_counter()
     fp = cache_fingerprint(recipe, target, dataset, layers)
-    manifest = build_teacher_cache(recipe, target, dataset, fp)
+    if source is None:
+        manifest = build_teacher_cache(recipe, target, dataset, fp)
+    else:
+        text = recipe_text(recipe)
+        manifest = derive_cache(Path(source), fp, cache_dir(recipe), recipe_text=text)
     manifest["seconds"] = time.perf_counter() - start
     manifest["dir"] = str(cache_dir(recipe))
     return manifest

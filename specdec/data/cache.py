@@ -102,7 +102,7 @@ def estimate_bytes(dataset, fp: dict) -> int:
     return tokens * per_token + taught * per_teacher
 
 
-def _pack(x: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+def pack(x: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     """``x`` [..., D] float32 in the storage dtype (fp8: with a scale per leading index)."""
     if dtype != "fp8":
         return {"": x.to(DTYPES[dtype]).contiguous()}
@@ -113,27 +113,30 @@ def _pack(x: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     }
 
 
-def _unpack(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def unpack(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     x = stored.float()
     return x if scale is None else x * scale.unsqueeze(-1)
 
 
-def _shard_name(j: int) -> str:
+def shard_name(j: int) -> str:
     return f"shard-{j:05d}.safetensors"
 
 
-def check_fingerprint(out: Path, manifest: dict, fp: dict) -> None:
+def check_fingerprint(
+    out: Path, manifest: dict, fp: dict, where: str = "data.cache.dir", hint: str = ""
+) -> None:
     """Raise DataError naming the first thing ``out`` was cached for that differs from now; a
-    cache of more layers than asked for serves (one cache for drafters that read fewer)."""
+    cache of more layers than asked for serves (one cache for drafters that read fewer).
+    ``where`` names the setting that pointed at ``out``; ``hint``, what to do instead."""
     old = manifest.get("fingerprint", {})
     for key, value in fp.items():
         if key == "layers" and set(value) <= set(old.get(key) or ()):
             continue
         if old.get(key) != value:
             raise DataError(
-                f"data.cache.dir: {out} holds a teacher cache of another {key} "
-                f"({old.get(key)!r} there, {value!r} now); use another data.cache.dir or "
-                "delete that one"
+                f"{where}: {out} holds a teacher cache of another {key} "
+                f"({old.get(key)!r} there, {value!r} now); "
+                + (hint or "use another data.cache.dir or delete that one")
             )
 
 
@@ -184,7 +187,7 @@ def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, reci
     manifest["complete"] = False
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     n, size = len(dataset), fp["shard_rows"]
-    todo = [j for j in range(math.ceil(n / size)) if not (out / _shard_name(j)).exists()]
+    todo = [j for j in range(math.ceil(n / size)) if not (out / shard_name(j)).exists()]
     rows = sum(min(n, (j + 1) * size) - j * size for j in todo)
     estimate = estimate_bytes(dataset, fp)
     logger.info(
@@ -196,24 +199,45 @@ def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, reci
         tensors = encode_rows(
             target, dataset, range(j * size, min(n, (j + 1) * size)), fp, batch_size
         )
-        tmp = out / (_shard_name(j) + ".tmp")
-        save_file(tensors, str(tmp), metadata={"start": str(j * size)})
-        os.chmod(tmp, 0o666 & ~_umask())
-        with tmp.open("rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out / _shard_name(j))
+        write_shard(out, j, tensors, j * size)
         bar.update(min(n, (j + 1) * size) - j * size)
     bar.close()
-    files = [out / _shard_name(j) for j in range(math.ceil(n / size))]
+    tokens = sum(len(ids) for ids in dataset["input_ids"])
+    taught = sum(len(teacher_positions(m)) for m in dataset["loss_mask"])
+    return finish(out, manifest, math.ceil(n / size), tokens, taught)
+
+
+def write_shard(out: Path, j: int, tensors: dict, start: int) -> None:
+    """Shard ``j`` of ``out``: written to a temporary name, fsynced, then renamed."""
+    tmp = out / (shard_name(j) + ".tmp")
+    save_file(tensors, str(tmp), metadata={"start": str(start)})
+    os.chmod(tmp, 0o666 & ~_umask())
+    with tmp.open("rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out / shard_name(j))
+
+
+def finish(out: Path, manifest: dict, shards: int, tokens: int, taught: int) -> dict:
+    """Mark the cache in ``out`` complete, with its counts; returns the manifest."""
+    files = [out / shard_name(j) for j in range(shards)]
     manifest.update(
         complete=True,
-        shards=len(files),
-        tokens=sum(len(ids) for ids in dataset["input_ids"]),
-        teacher_positions=sum(len(teacher_positions(m)) for m in dataset["loss_mask"]),
+        shards=shards,
+        tokens=tokens,
+        teacher_positions=taught,
         bytes=sum(p.stat().st_size for p in files),
     )
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def top_k_of(log_p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``[M, k]`` largest of the ``[M, V]`` log-probabilities ``log_p`` (best first), their
+    int32 ids and the ``[M]`` log of the mass left out."""
+    top = log_p.topk(min(k, log_p.shape[-1]), dim=-1)
+    kept = top.values.exp().sum(-1).clamp(max=1.0)
+    rest = torch.log1p(-kept).clamp_min(MIN_LOG_REST)
+    return top.values, top.indices.to(torch.int32), rest
 
 
 def encode_rows(target, dataset, rows: range, fp: dict, batch_size: int) -> dict:
@@ -238,10 +262,7 @@ def encode_rows(target, dataset, rows: range, fp: dict, batch_size: int) -> dict
             out = target.forward(batch, attention, hidden_layers=fp["layers"], logits_at=wanted)
             log_p = torch.log_softmax(out.logits.float(), -1)  # [N, V], row-major
             if fp["top_k"]:  # only the top k leave the batch
-                top = log_p.topk(min(fp["top_k"], log_p.shape[-1]), dim=-1)
-                kept = top.values.exp().sum(-1).clamp(max=1.0)
-                rest = torch.log1p(-kept).clamp_min(MIN_LOG_REST)
-                parts = (top.values.cpu(), top.indices.to(torch.int32).cpu(), rest.cpu())
+                parts = tuple(x.cpu() for x in top_k_of(log_p, fp["top_k"]))
             else:
                 parts = (log_p.cpu(),)
         start = 0
@@ -259,11 +280,11 @@ def encode_rows(target, dataset, rows: range, fp: dict, batch_size: int) -> dict
         "teacher_pos": torch.cat([w for w, _ in teacher]).to(torch.int32),
     }
     if fp["layers"]:
-        tensors |= _named("features", _pack(torch.cat(features), fp["dtype"]))
+        tensors |= named("features", pack(torch.cat(features), fp["dtype"]))
     columns = [torch.cat(c) for c in zip(*(parts for _, parts in teacher), strict=True)]
     if fp["top_k"]:  # [M, k] log-probabilities, their ids, [M] log of the rest
         tensors |= {"ids": columns[1].contiguous(), "rest": columns[2].contiguous()}
-    tensors |= _named("logp", _pack(columns[0], fp["dtype"]))  # [M, k or V]
+    tensors |= named("logp", pack(columns[0], fp["dtype"]))  # [M, k or V]
     return tensors
 
 
@@ -277,7 +298,7 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
 
 
-def _named(name: str, packed: dict) -> dict:
+def named(name: str, packed: dict) -> dict:
     return {name + suffix: t for suffix, t in packed.items()}
 
 
@@ -301,10 +322,10 @@ class TeacherCache:
         self.shards, self.offsets = [], []
         for j in range(manifest["shards"]):
             try:
-                handle = safe_open(str(out / _shard_name(j)), framework="pt")
+                handle = safe_open(str(out / shard_name(j)), framework="pt")
                 offsets = (handle.get_tensor("row_offsets"), handle.get_tensor("teacher_offsets"))
             except Exception as err:  # a truncated or foreign file: one line, not a traceback
-                path = out / _shard_name(j)
+                path = out / shard_name(j)
                 raise DataError(f"{path}: unreadable teacher shard ({err})") from None
             self.shards.append(handle)
             self.offsets.append(offsets)
@@ -332,10 +353,8 @@ class TeacherCache:
         }
         if self.layers:
             features = shard.get_slice("features")[a:b]
-            out["features"] = _unpack(features, self._scale(shard, "features", a, b))[
-                :, self.layers
-            ]
-        values = _unpack(shard.get_slice("logp")[c:d], self._scale(shard, "logp", c, d))
+            out["features"] = unpack(features, self._scale(shard, "features", a, b))[:, self.layers]
+        values = unpack(shard.get_slice("logp")[c:d], self._scale(shard, "logp", c, d))
         k, vocab = self.fp["top_k"], self.fp["vocab_size"]
         if not k:
             return out, (values, None, None)
