@@ -74,6 +74,23 @@ def test_derived_from_a_top_k_cache_keeps_its_best_and_adds_the_rest_to_the_tail
         assert (tensors["rest"] > torch.log(torch.tensor(1e-3))).any()  # a tail worth checking
 
 
+def test_an_fp8_source_is_read_with_its_scales(target, tmp_path):  # noqa: F811
+    """fp8 from fp8 (top 4 of 8, one layer of two): within two roundings of the target."""
+    data = rows(n=5)
+    make(target, data, tmp_path / "exact")  # float32, full vocabulary
+    make(target, data, tmp_path / "fp8", top_k=8, dtype="fp8")
+    fp = fp_of(target, data, (1,), top_k=4, dtype="fp8")
+    derive_cache(tmp_path / "fp8", fp, tmp_path / "out", progress=False)
+    for name, got in shards(tmp_path / "out").items():
+        exact = load_file(tmp_path / "exact" / name)
+        true = exact["logp"].gather(-1, got["ids"].long())  # at the ids it kept
+        read = got["logp"].float() * got["logp_scale"][:, None]  # e4m3 values times scales
+        torch.testing.assert_close(read, true, rtol=0.13, atol=1e-2)
+        want = exact["features"][:, 1:]
+        feats = got["features"].float() * got["features_scale"][..., None]
+        assert ((feats - want).abs().amax(-1) <= 0.13 * want.abs().amax(-1)).all()
+
+
 def test_a_derived_cache_resumes_with_its_missing_shards(target, tmp_path):  # noqa: F811
     data = rows(n=8)
     make(target, data, tmp_path / "full")
