@@ -178,3 +178,21 @@ def test_cache_command_derives_from_another_cache_in_one_line(files, tmp_path, c
     missing = ["data", "cache", "--config", recipe, "--from", str(tmp_path / "none"), "--set"]
     assert main([*missing, *sets, *lossy]) == 2
     assert "holds no complete teacher cache" in capsys.readouterr().err
+
+
+def test_resuming_a_cache_of_more_layers_keeps_them_in_every_shard(target, tmp_path):  # noqa: F811
+    """A drafter reading fewer layers resumes a derived cache of more: the shards it adds hold
+    the cache's layers, not its own, as the build's do."""
+    data = rows(n=8)
+    make(target, data, tmp_path / "full")
+    out = tmp_path / "derived"
+    derive_cache(tmp_path / "full", fp_of(target, data, top_k=8), out, progress=False)
+    whole = shards(out)
+    (out / "shard-00001.safetensors").unlink()
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["complete"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    again = derive_cache(tmp_path / "full", fp_of(target, data, (1,), top_k=8), out, False)
+    assert again["fingerprint"]["layers"] == list(LAYERS)
+    resumed = shards(out)["shard-00001.safetensors"]
+    assert torch.equal(resumed["features"], whole["shard-00001.safetensors"]["features"])

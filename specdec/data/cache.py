@@ -172,20 +172,9 @@ def build_cache(
 
 
 def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, recipe) -> dict:
-    manifest = read_manifest(out, FORMAT)
-    if manifest is None:
-        if any(out.glob("shard-*")):
-            raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
-        manifest = {"format": FORMAT, "fingerprint": fp, "complete": False}
-        if recipe is not None:
-            write_atomic(out / RECIPE, recipe)
-            manifest["made_by"] = provenance(recipe, target.tokenizer)
-    check_fingerprint(out, manifest, fp)
+    made_by = None if recipe is None else provenance(recipe, target.tokenizer)
+    manifest = begin(out, fp, recipe, made_by)
     fp = manifest["fingerprint"]  # the layers it holds, when more than asked for
-    for stale in out.glob("*.tmp"):
-        stale.unlink()  # a shard whose run was killed before its rename
-    manifest["complete"] = False
-    write_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     n, size = len(dataset), fp["shard_rows"]
     todo = [j for j in range(math.ceil(n / size)) if not (out / shard_name(j)).exists()]
     rows = sum(min(n, (j + 1) * size) - j * size for j in todo)
@@ -205,6 +194,27 @@ def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, reci
     tokens = sum(len(ids) for ids in dataset["input_ids"])
     taught = sum(len(teacher_positions(m)) for m in dataset["loss_mask"])
     return finish(out, manifest, math.ceil(n / size), tokens, taught)
+
+
+def begin(out: Path, fp: dict, recipe: str | None, made_by: dict | None) -> dict:
+    """The manifest of the cache ``fp`` in ``out``, marked incomplete until :func:`finish`: the
+    one there (checked against ``fp``), or a new one with ``made_by`` beside a copy of
+    ``recipe``. Shards a killed run left under their temporary names are cleared."""
+    manifest = read_manifest(out, FORMAT)
+    if manifest is None:
+        if any(out.glob("shard-*")):
+            raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
+        manifest = {"format": FORMAT, "fingerprint": fp, "complete": False}
+        if recipe is not None:
+            write_atomic(out / RECIPE, recipe)
+        if made_by is not None:
+            manifest["made_by"] = made_by
+    check_fingerprint(out, manifest, fp)
+    for stale in out.glob("*.tmp"):
+        stale.unlink()  # a shard whose run was killed before its rename
+    manifest["complete"] = False
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def write_shard(out: Path, j: int, tensors: dict, start: int) -> None:

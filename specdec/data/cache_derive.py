@@ -15,7 +15,6 @@ or data the source lacks.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from specdec.data.cache import (
     FORMAT,
     MIN_LOG_REST,
     RECIPE,
+    begin,
     check_fingerprint,
     finish,
     named,
@@ -36,7 +36,7 @@ from specdec.data.cache import (
     unpack,
     write_shard,
 )
-from specdec.data.shards import MANIFEST, locked, read_manifest, write_atomic
+from specdec.data.shards import locked, read_manifest
 from specdec.errors import DataError
 
 _COPIED = ("input_ids", "row_offsets", "teacher_offsets", "teacher_pos")
@@ -81,21 +81,13 @@ def derive_cache(source: Path, fp: dict, out: Path, progress=True, recipe_text=N
         raise DataError(f"--from: {source} is data.cache.dir itself; derive into another one")
     have = source_manifest(source)
     check_derivable(source, have["fingerprint"], fp)
+    made_by = {"derived_from": str(source), "source_made_by": have.get("made_by")}
+    if recipe_text is not None:
+        made_by["recipe"] = RECIPE
     with locked(out):
-        manifest = read_manifest(out, FORMAT)
-        if manifest is None:
-            if any(out.glob("shard-*")):
-                raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
-            made_by = {"derived_from": str(source), "source_made_by": have.get("made_by")}
-            if recipe_text is not None:
-                write_atomic(out / RECIPE, recipe_text)
-                made_by["recipe"] = RECIPE
-            manifest = {"format": FORMAT, "fingerprint": fp, "complete": False, "made_by": made_by}
-        check_fingerprint(out, manifest, fp)
-        for stale in out.glob("*.tmp"):
-            stale.unlink()
-        manifest["complete"] = False
-        write_atomic(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        manifest = begin(out, fp, recipe_text, made_by)
+        fp = manifest["fingerprint"]  # the layers it holds, when more than asked for
+        check_derivable(source, have["fingerprint"], fp)
         todo = [j for j in range(have["shards"]) if not (out / shard_name(j)).exists()]
         for j in tqdm(todo, disable=not progress, desc="derive", unit="shard"):
             with safe_open(str(source / shard_name(j)), framework="pt") as shard:
