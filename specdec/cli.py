@@ -34,7 +34,7 @@ def _score(args: argparse.Namespace) -> None:
         draft_model=args.draft_model,
         # without --target or --config, a checkpoint is scored against its own target
         target=recipe.target.model if (args.target or args.config) else None,
-        prompts=tuple(p.source for p in ev.prompts),
+        prompts=tuple(ev.prompts),
         num_prompts=ev.num_prompts,
         out=args.out,
         cache_dir=recipe.target.cache_dir,

@@ -53,10 +53,11 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
             extra = {"choices": get_args(tp)}
         else:
             extra = {"type": _json if get_origin(tp) is list else tp}
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         parser.add_argument(
             *names,
             dest=key,
-            help=f"{f.metadata['help']} (eval.{key}; default {f.default})",
+            help=f"{f.metadata['help']} (eval.{key}; default {default})",
             **extra,
         )
 

@@ -7,6 +7,7 @@ import tiny_models
 import torch
 
 from specdec.cli import main
+from specdec.errors import DataError
 
 REQUIRED = {
     "tau",
@@ -219,3 +220,56 @@ def test_cost_profile_spreads_a_drift_over_every_size():
 
     profile = cost_profile(Drifting(), [1, 2, 3], max_tokens=5, repeats=9)
     assert max(profile.values()) - min(profile.values()) <= 0.001 * 5  # one round's drift
+
+
+def test_help_states_each_flag_default_as_the_recipe_has_it(capsys):
+    """Every decoding flag's help ends with its recipe default, a list-valued one included
+    (a default built by a factory once printed as dataclasses' MISSING sentinel)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["score", "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "MISSING" not in text
+    assert "(eval.tree_choices; default [])" in text
+    assert "(eval.k; default 4)" in text
+
+
+def test_eval_prompts_offset_limit_and_category_choose_the_rows_scored(tmp_path):
+    """A recipe's eval.prompts entry is scored as it reads: its category, then its offset and
+    limit (a score once took every source's first rows whatever the recipe said)."""
+    from specdec.config import PromptSource
+    from specdec.scoring.command import load_prompts
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"a{i}", "category": "x"}) + "\n" for i in range(6)))
+    b.write_text(
+        "".join(json.dumps({"prompt": f"b{i}", "category": "yz"[i % 2]}) + "\n" for i in range(8))
+    )
+    rows = load_prompts(
+        (PromptSource(str(a), offset=3, limit=2), PromptSource(str(b), category="y", offset=1)), 10
+    )
+    texts = [r["messages"][-1]["content"] for r in rows]
+    # round robin: a3, b2 (the second "y" row), a4, b4, b6; a's slice ends at its limit
+    assert texts == ["a3", "b2", "a4", "b4", "b6"]
+    with pytest.raises(DataError, match=r"a\.jsonl\[9:\]: no rows"):
+        load_prompts((PromptSource(str(a), offset=9),), 2)
+
+
+def test_score_with_a_recipe_scores_its_offset_rows(tiny_llama_dir, tmp_path):
+    """End to end: the rows past a recipe's offset are the ones decoded (their category says
+    so) and the result names the slice."""
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"Say {w} twice.", "category": c} for w, c in
+            [("one", "early"), ("two", "early"), ("three", "late"), ("four", "late")]]  # fmt: skip
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "score.json"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {{model: {tiny_llama_dir}}}\ndrafter: {{type: prompt_lookup}}\n")
+    code = score(
+        "--config", recipe, "--set", f"eval.prompts=[{{source: {prompts}, offset: 2}}]",
+        "--num-prompts", 1, "--warmup", 1, "--max-new-tokens", 6, "--k", 2, "--out", out,
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert set(result["per_category"]) == {"late"}
+    assert result["prompts"] == [f"{prompts}[2:]"]

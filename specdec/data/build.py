@@ -16,7 +16,7 @@ from datasets import Dataset
 
 from specdec.config import PromptSource, Recipe, load_recipe, recipe_text, save_recipe
 from specdec.data.chat import SFTStats, build_sft_dataset, prompt_messages
-from specdec.data.prompts import load_prompt_rows, split_heldout
+from specdec.data.prompts import source_rows, split_heldout
 from specdec.data.regenerate import RegenerateStats, load_regenerated, regenerate
 from specdec.errors import DataError
 
@@ -45,17 +45,14 @@ def gather_prompts(sources: list[PromptSource], cache_dir: str | None) -> list[d
     """
     rows = []
     for n, src in enumerate(sources):
-        loaded = load_prompt_rows(src.source, fmt=src.format, split=src.split, cache=cache_dir)
-        if src.category:
-            loaded = [r for r in loaded if r.get("category") == src.category]
+        loaded = source_rows(src, cache_dir)
         keep = src.responses == "keep"
         if keep and not any(m["role"] == "assistant" for r in loaded for m in r["messages"]):
             raise DataError(
                 f"data.prompts[{n}].responses: 'keep', but {src.source} has no assistant turns "
                 "to train on; use responses: regenerate"
             )
-        end = None if src.limit is None else src.offset + src.limit
-        for i, row in enumerate(loaded[src.offset : end]):
+        for i, row in enumerate(loaded):
             row["id"] = f"{Path(src.source).stem}:{row.get('id', i)}"
             row["keep"] = keep
             rows.append(row)

@@ -27,7 +27,7 @@ class ScoreJob:
     drafter: str | None = None
     draft_model: str | None = None
     target: str | None = None
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    prompts: tuple = DEFAULT_PROMPTS  # names, paths or the recipe's PromptSource entries
     num_prompts: int = 8
     out: str | None = None
     cache_dir: str | None = None
@@ -62,24 +62,31 @@ def _check_training_free(name: str) -> None:
 
 
 def load_prompts(
-    sources: tuple[str, ...],
+    sources: tuple,
     num_prompts: int,
     cache_dir=None,
     category_key: str | None = None,
     stratify: bool = False,
 ) -> list[dict]:
-    """``num_prompts`` rows taken round-robin from the sources, so every source is present;
-    ``category_key`` names the column files give each row's category in. ``stratify`` takes
-    each source's rows round-robin over its categories too (a pool sorted by category, as
-    MT-bench is, would otherwise give its first category only)."""
-    from specdec.data.prompts import load_prompt_rows
+    """``num_prompts`` rows taken round-robin from the sources (names or paths, or a
+    recipe's ``eval.prompts`` entries with their offset, limit and category), so every source
+    is present; ``category_key`` names the column files give each row's category in.
+    ``stratify`` takes each source's rows round-robin over its categories too (a pool sorted
+    by category, as MT-bench is, would otherwise give its first category only).
+
+    Raises:
+        DataError: a source whose slice holds no rows, or no usable prompt at all."""
+    from specdec.data.prompts import source_label, source_rows
 
     if num_prompts < 1:
         raise ConfigError(f"num_prompts: must be >= 1, got {num_prompts}")
-    pools = [load_prompt_rows(src, cache=cache_dir, category_key=category_key) for src in sources]
+    pools = [source_rows(src, cache_dir, category_key) for src in sources]
     for src, pool in zip(sources, pools, strict=True):
+        name = src if isinstance(src, str) else src.source
+        if not pool:
+            raise DataError(f"prompt source {source_label(src)}: no rows in that slice")
         for row in pool:
-            row.setdefault("category", row.get("category") or Path(src).stem)
+            row.setdefault("category", row.get("category") or Path(name).stem)
     if stratify:
         pools = [interleave_categories(pool) for pool in pools]
     rows, i = [], 0
@@ -148,7 +155,9 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
         cert["sampling"] = sampling
         cert["passed"] = cert.get("passed", True) and sampling["passed"]
     result["target"] = target.name
-    result["prompts"] = list(job.prompts)
+    from specdec.data.prompts import source_label
+
+    result["prompts"] = [source_label(src) for src in job.prompts]
     write_json(out, result)
     result["plot"] = str(report.plot(result, out.with_suffix(".png")))
     result["json"] = str(out)

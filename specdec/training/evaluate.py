@@ -28,8 +28,8 @@ def score_checkpoint(model, drafter, target, recipe: Recipe, step: int) -> dict:
     )
     t0 = time.perf_counter()
     settings = ScoreSettings.from_eval(ev)
-    sources = tuple(p.source for p in ev.prompts)
-    rows = load_prompts(sources, ev.num_prompts + ev.warmup_prompts, recipe.target.cache_dir)
+    count = ev.num_prompts + ev.warmup_prompts
+    rows = load_prompts(tuple(ev.prompts), count, recipe.target.cache_dir)
     result = score(target.model, target.tokenizer, drafter, rows, settings)
     result["target"] = target.name
     result["checkpoint"] = str(path)
