@@ -112,6 +112,7 @@ def interleave_categories(rows: list[dict]) -> list[dict]:
 
 def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
     """Score the job's drafter; write score.json and score.png; return the result."""
+    from specdec.data.prompts import source_label
     from specdec.target import FrozenTarget
 
     settings.check()
@@ -155,8 +156,6 @@ def run_scoring(job: ScoreJob, settings: ScoreSettings) -> dict:
         cert["sampling"] = sampling
         cert["passed"] = cert.get("passed", True) and sampling["passed"]
     result["target"] = target.name
-    from specdec.data.prompts import source_label
-
     result["prompts"] = [source_label(src) for src in job.prompts]
     write_json(out, result)
     result["plot"] = str(report.plot(result, out.with_suffix(".png")))
