@@ -22,6 +22,7 @@ from pathlib import Path
 import datasets
 
 from specdec import assets
+from specdec.config import PromptSource
 from specdec.data.chat import prompt_messages, to_messages
 from specdec.errors import DataError
 
@@ -255,15 +256,13 @@ def _hub_records(source: str, split: str) -> Iterable[Mapping]:
         raise DataError(f"cannot load prompt dataset {source!r} split {split!r}: {first}") from None
 
 
-def source_rows(source, cache=None, category_key: str | None = None) -> list[dict]:
-    """The rows one prompt source names: a bare name or path gives all its rows; a recipe's
-    ``PromptSource`` its format, split and category, then its ``offset`` and ``limit``.
+def source_rows(source: PromptSource, cache=None, category_key: str | None = None) -> list[dict]:
+    """The rows a recipe's prompt source names: its format, split and category, then its
+    ``offset`` and ``limit``.
 
     Raises:
         DataError: as :func:`load_prompt_rows`.
     """
-    if isinstance(source, str):
-        return load_prompt_rows(source, cache=cache, category_key=category_key)
     rows = load_prompt_rows(
         source.source, fmt=source.format, split=source.split, cache=cache,
         category_key=category_key,
@@ -274,10 +273,8 @@ def source_rows(source, cache=None, category_key: str | None = None) -> list[dic
     return rows[source.offset : end]
 
 
-def source_label(source) -> str:
+def source_label(source: PromptSource) -> str:
     """A prompt source in one line: ``mtbench``, ``mtbench/coding``, ``humaneval[80:88]``."""
-    if isinstance(source, str):
-        return source
     label = source.source + (f"/{source.category}" if source.category else "")
     if source.offset or source.limit is not None:
         end = "" if source.limit is None else source.offset + source.limit

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec import drafters
+from specdec.config import PromptSource
 from specdec.data.chat import prompt_messages
 from specdec.drafters import Drafter, read_meta
 from specdec.errors import ConfigError, DataError
@@ -16,7 +17,7 @@ from specdec.scoring.run import ScoreSettings, encode_prompt, score
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROMPTS = ("mtbench", "humaneval")
+DEFAULT_PROMPTS = (PromptSource("mtbench"), PromptSource("humaneval"))
 
 
 @dataclass
@@ -27,7 +28,7 @@ class ScoreJob:
     drafter: str | None = None
     draft_model: str | None = None
     target: str | None = None
-    prompts: tuple = DEFAULT_PROMPTS  # names, paths or the recipe's PromptSource entries
+    prompts: tuple[PromptSource, ...] = DEFAULT_PROMPTS
     num_prompts: int = 8
     out: str | None = None
     cache_dir: str | None = None
@@ -80,13 +81,13 @@ def load_prompts(
 
     if num_prompts < 1:
         raise ConfigError(f"num_prompts: must be >= 1, got {num_prompts}")
+    sources = [PromptSource(s) if isinstance(s, str) else s for s in sources]
     pools = [source_rows(src, cache_dir, category_key) for src in sources]
     for src, pool in zip(sources, pools, strict=True):
-        name = src if isinstance(src, str) else src.source
         if not pool:
             raise DataError(f"prompt source {source_label(src)}: no rows in that slice")
         for row in pool:
-            row.setdefault("category", row.get("category") or Path(name).stem)
+            row.setdefault("category", row.get("category") or Path(src.source).stem)
     if stratify:
         pools = [interleave_categories(pool) for pool in pools]
     rows, i = [], 0
