@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="repeatable: plain, generate, prompt_lookup, a checkpoint dir, draft_model:PATH, "
         "prompt_lookup+PATH, hf_assisted:PATH, hf_prompt_lookup (plain and generate always run); "
-        "a drafter with @dynamic or @static verifies trees",
+        "a drafter with @dynamic or @static verifies trees, with @confidence=C stops at its "
+        "own C",
     )
     v.add_argument("--out", required=True, help="directory for results.json, report.md, plots")
     v.add_argument("--prompts", help="comma-separated prompt files, packaged names or hub ids")
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-confidence",
         type=float,
         default=0.0,
-        help="drafters stop a chain once its probability falls below this (0: all k)",
+        help="drafters stop a chain once its probability falls below this (0: all k); a "
+        "method's @confidence=C replaces it for that method",
     )
     v.add_argument("--tree-top-k", type=int, default=4, help="@dynamic/@static: children "
                    "per expanded node and nodes expanded per depth")  # fmt: skip

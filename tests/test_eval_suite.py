@@ -317,6 +317,39 @@ def test_a_tree_of_a_method_that_cannot_branch(capsys, files, tmp_path, no_model
     assert "a static tree is calibrated on the warm-up prompts; set --warmup 1" in err
 
 
+def test_a_method_s_own_confidence_overrides_the_run_s(files, tmp_path):
+    """Drafters tuned to different confidence stops run side by side: ``@confidence=C`` is the
+    method's own, the others take ``--draft-confidence``. The draft model is random, so its
+    token probabilities are far below 0.5 and a stop of 0.5 ends every chain after the first
+    token (which is always drafted); a stop of 0 drafts all k = 3 (fewer in a last round that
+    reaches the token limit)."""
+    root, _ = files
+    draft = f"draft_model:{root / 'draft'}"
+    methods = [draft, draft + "@confidence=0", draft + "@confidence=0.5@static"]
+    settings = dict(ks=[3], temperatures=[0.0], draft_confidence=0.5, tree_budget=3)
+    result = run_eval(job(files, tmp_path, methods, **settings))
+    by_run, own_zero, own_tree = (result["configs"][0]["methods"][m] for m in result["methods"][2:])
+    assert by_run["draft_confidence"] == 0.5 and 0.8 < by_run["mean_drafted"] <= 1.0
+    assert own_zero["draft_confidence"] == 0.0 and own_zero["mean_drafted"] > 2
+    assert own_tree["draft_confidence"] == 0.5 and own_tree["tree"]["kind"] == "static"
+    for r in (by_run, own_zero, own_tree):
+        assert r["greedy_match_rate"] == 1.0
+
+
+def test_confidence_suffixes_it_refuses(capsys, files, tmp_path, no_model_loads):
+    root, _ = files
+    argv = ["eval", "--prompts", str(root / "p.jsonl"), "--out", str(tmp_path / "o")]
+    for method, message in (
+        ("prompt_lookup@confidence=1", "prompt_lookup@confidence=1': confidence=1: expected a "
+         "number in [0, 1)"),
+        ("prompt_lookup@confidence=high", "confidence=high: expected a number in [0, 1)"),
+        ("prompt_lookup@confidence=0.1@confidence=0.2", "one confidence suffix at most"),
+        ("hf_prompt_lookup@confidence=0.3", "only a drafter of specdec's decoder takes a draft "
+         "confidence, not 'hf_prompt_lookup'"),
+    ):  # fmt: skip
+        assert message in error_line(capsys, [*argv, "--method", method]), method
+
+
 def test_a_chain_only_family_asked_for_a_tree(files, tmp_path):
     with pytest.raises(suite.ConfigError, match="'prompt_lookup' drafter drafts chains only"):
         run_eval(job(files, tmp_path, ["prompt_lookup@dynamic"], ks=[2], temperatures=[0.0]))

@@ -15,6 +15,9 @@ A method is specdec's decoder with a drafter, or transformers' own ``generate``:
 - ``SPEC@dynamic`` / ``SPEC@static``: a drafter of the above that branches, verifying a tree
   each round (a dynamic tree sized by ``--tree-budget`` or the measured verify cost; a static
   one calibrated on the warm-up prompts from the dynamic tree's accepted paths).
+- ``SPEC@confidence=C``: a drafter of the above stopping its chain (or a tree's growth) once
+  its probability falls below ``C``, whatever ``--draft-confidence`` says, so drafters tuned to
+  different stops run side by side (``best@static@confidence=0.3``).
 
 Specs are parsed (:func:`parse`) before any model loads, so a method that does not exist, a
 missing path or a checkpoint of another target fails in one line first.
@@ -37,6 +40,7 @@ from specdec.errors import ConfigError, ModelError
 PLAIN, GENERATE = "plain", "generate"
 CHECKPOINT, HF_ASSISTED, HF_PROMPT_LOOKUP = "checkpoint:", "hf_assisted:", "hf_prompt_lookup"
 TREES = ("dynamic", "static")  # the ``@TREE`` suffixes
+CONFIDENCE = "confidence="  # the ``@confidence=C`` suffix
 DRAFT_MODEL, HYBRID = drafters.MODEL_PREFIX, drafters.HYBRID_PREFIX
 
 
@@ -54,6 +58,7 @@ class Method:
         drafter: the loaded drafter (``drafter`` kind).
         assistant: the loaded draft model (``hf_assisted``).
         tree: ``chain``, or the tree its drafter verifies (``dynamic``, ``static``).
+        confidence: its own draft confidence stop (``@confidence=C``); None: the run's.
     """
 
     name: str
@@ -65,6 +70,7 @@ class Method:
     assistant: object = None
     meta: dict = field(default_factory=dict)
     tree: str = "chain"
+    confidence: float | None = None
 
     @property
     def speculative(self) -> bool:
@@ -79,17 +85,44 @@ def parse(spec: str) -> Method:
         ConfigError: an unknown name, an empty path, or a path that does not exist.
     """
     spec = spec.strip()
-    base, at, tree = spec.rpartition("@")
-    if at and tree in TREES:
-        if base.rpartition("@")[2] in TREES:
-            raise ConfigError(f"method '{spec}': one tree suffix at most")
-        method = parse(base)
-        if method.kind != "drafter":
-            raise ConfigError(
-                f"method '{spec}': only a drafter of specdec's decoder verifies trees, not '{base}'"
-            )
-        method.name, method.tree = spec, tree
-        return method
+    base, suffixes = spec, []
+    while (cut := base.rpartition("@"))[1] and (cut[2] in TREES or cut[2].startswith(CONFIDENCE)):
+        base, suffixes = cut[0], [cut[2], *suffixes]
+    if not suffixes:
+        return _parse_base(spec)
+    method = _parse_base(base)
+    trees = [s for s in suffixes if s in TREES]
+    stops = [s for s in suffixes if s not in TREES]
+    if len(trees) > 1:
+        raise ConfigError(f"method '{spec}': one tree suffix at most")
+    if len(stops) > 1:
+        raise ConfigError(f"method '{spec}': one confidence suffix at most")
+    if method.kind != "drafter":
+        does = "verifies trees" if trees else "takes a draft confidence"
+        raise ConfigError(
+            f"method '{spec}': only a drafter of specdec's decoder {does}, not '{base}'"
+        )
+    method.name = spec
+    if trees:
+        method.tree = trees[0]
+    if stops:
+        method.confidence = _confidence(spec, stops[0])
+    return method
+
+
+def _confidence(spec: str, suffix: str) -> float:
+    text = suffix.removeprefix(CONFIDENCE)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < 1:  # NaN fails too
+        raise ConfigError(f"method '{spec}': {suffix}: expected a number in [0, 1)")
+    return value
+
+
+def _parse_base(spec: str) -> Method:
+    """A method spec without ``@`` suffixes."""
     if spec == PLAIN:
         return Method(spec, "plain")
     if spec == GENERATE:

@@ -162,7 +162,7 @@ def run_eval(job: EvalJob) -> dict:
                 "`specdec score --checkpoint`"
             )
         if m.drafter is not None:
-            m.drafter.configure(job.draft_forward, job.draft_confidence)
+            m.drafter.configure(job.draft_forward, confidence(job, m))
     model, tokenizer = target.model, target.tokenizer
     eos = eos_token_ids(model, tokenizer)
     encoded = [encode_prompt(tokenizer, prompt_messages(r["messages"])) for r in rows]
@@ -211,6 +211,11 @@ def run_eval(job: EvalJob) -> dict:
     return results
 
 
+def confidence(job: EvalJob, method: mth.Method) -> float:
+    """The draft confidence stop of a drafter method: its own ``@confidence=C``, else the run's."""
+    return job.draft_confidence if method.confidence is None else method.confidence
+
+
 def _configure_trees(job, methods, sessions, encoded, settings, profile, eos) -> dict:
     """Give each tree method its tree for this k and temperature: dynamic (depth k, top-k
     children, ``job.tree_budget`` nodes or the cost-chosen number), or static, calibrated from
@@ -221,12 +226,12 @@ def _configure_trees(job, methods, sessions, encoded, settings, profile, eos) ->
     costs = tuple(profile[m + 1] for m in range(job.tree_max_nodes + 1))
     trees = replace(
         settings, tree="dynamic", tree_top_k=job.tree_top_k, tree_budget=job.tree_budget,
-        tree_max_nodes=job.tree_max_nodes, draft_confidence=job.draft_confidence,
+        tree_max_nodes=job.tree_max_nodes,
     )  # fmt: skip
     shapes = {}
     for m in (m for m in methods if m.tree != "chain"):
-        tree = tree_spec(trees, costs)
-        m.drafter.configure(job.draft_forward, job.draft_confidence, tree)
+        tree = tree_spec(replace(trees, draft_confidence=confidence(job, m)), costs)
+        m.drafter.configure(job.draft_forward, confidence(job, m), tree)
         if m.tree == "static":
             session = sessions[tuple(m.drafter.required_target_layers)]
             calibration = []
@@ -238,7 +243,7 @@ def _configure_trees(job, methods, sessions, encoded, settings, profile, eos) ->
                     eos_token_ids=eos, generator=generator,
                 ))  # fmt: skip
             tree = calibrated_tree(calibration, costs)
-            m.drafter.configure(job.draft_forward, job.draft_confidence, tree)
+            m.drafter.configure(job.draft_forward, confidence(job, m), tree)
         shapes[m.name] = tree.describe()
     return shapes
 
@@ -278,6 +283,7 @@ def _summarize(m, gens, settings, categories, job, model, encoded) -> dict:
     own, plain, hf = gens[m.name], gens[mth.PLAIN], gens[mth.GENERATE]
     if m.kind == "drafter":
         out = summarize(own, plain, replace(settings, tree=m.tree))
+        out["draft_confidence"] = m.drafter.confidence  # None: a family without the stop
         if settings.temperature == 0:
             out.update(divergence_margins(model, encoded[job.warmup :], plain, out["divergences"]))
     else:

@@ -59,8 +59,10 @@ def markdown(results: dict, plots: list[str]) -> list[str]:
         "methods: `vs generate()`), since ratios across runtimes, which share no kernels, "
         "also move with the machine's state between runs",
         f"- drafters: forward {results['settings']['draft_forward']}, confidence stop "
-        f"{results['settings']['draft_confidence']:g}; target forward "
-        f"{results['settings']['target_forward']}; verify lengths from the measured cost profile",
+        f"{results['settings']['draft_confidence']:g} (a method's `@confidence=C` its own); "
+        "target forward "
+        f"{results['settings']['target_forward']}; verify lengths from the measured cost profile; "
+        "c: a draft step's cost over a target forward's, v: a verify forward's",
         f"- environment: {env['device_name']} ({env['device']}, {env['threads']} threads), "
         f"{env['dtype']}, torch {env['torch']}, transformers {env['transformers']}, "
         f"specdec {env['specdec']}",
@@ -118,8 +120,8 @@ def markdown(results: dict, plots: list[str]) -> list[str]:
 def _table(c: dict) -> list[str]:
     k = c["k"]
     head = "| method | tau | alpha | E[alpha] | " + " | ".join(f"acc@{i}" for i in range(1, k + 1))
-    head += " | speedup [95% CI] | vs generate() | bound | efficiency | identical |"
-    lines = [head, "|" + "---|" * (10 + k - 1)]
+    head += " | c | v | speedup [95% CI] | vs generate() | bound | efficiency | identical |"
+    lines = [head, "|" + "---|" * (12 + k - 1)]
     for name, r in c["methods"].items():
         acc = r.get("accept_rate_per_position") or [None] * k
         identical = r.get("greedy_match_rate")
@@ -129,6 +131,8 @@ def _table(c: dict) -> list[str]:
             _fmt(r.get("alpha")),
             _fmt(r.get("expected_alpha")),
             *[_fmt(a, ".2f") for a in acc],
+            _fmt(r.get("c"), ".3f"),
+            _fmt(r.get("v"), ".2f"),
             _ci(r),
             _ci(r, "speedup_vs_generate"),
             _fmt(r.get("bound_speedup"), ".2f"),
