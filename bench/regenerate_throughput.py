@@ -12,11 +12,6 @@ most otherwise).
     python bench/regenerate_throughput.py --model DIR --num-prompts 96 --max-new-tokens 128
     python bench/regenerate_throughput.py --config recipes/smollm2-135m/eagle3.yaml \
         --num-prompts 64 --max-new-tokens 128 --batch-sizes 16 --workers 1 2 4
-    python bench/regenerate_throughput.py --config recipes/smollm2-135m/eagle3.yaml \
-        --num-prompts 64 --max-new-tokens 128 --batch-sizes 16 --kv-caches dynamic static
-
-``--kv-caches`` runs every configuration once per KV cache of the transformers backend
-(``dynamic`` grows by concatenation, ``static`` is written in place), in the order given.
 
 ``--workers`` adds rows for that many worker processes (at the largest batch size, sorted);
 their seconds are the whole call's wall clock, the workers' start and model loading included.
@@ -155,10 +150,6 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
     parser.add_argument("--hidden", type=int, default=32, help="hidden size of the tiny model")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    parser.add_argument(
-        "--kv-caches", nargs="+", choices=["static", "dynamic"], default=["static"],
-        help="KV caches to compare (each configuration runs once per cache)",
-    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="runs per config; fastest kept")
     args = parser.parse_args()
     if args.threads:
@@ -211,15 +202,6 @@ def main() -> None:
             )
         )
 
-    if len(args.kv_caches) > 1:
-        configs = [
-            (f"{name}, {cache}", {**kw, "kv_cache": cache})
-            for name, kw in configs
-            for cache in args.kv_caches
-        ]
-    else:
-        configs = [(name, {**kw, "kv_cache": args.kv_caches[0]}) for name, kw in configs]
-
     measure(model, tokenizer, prompts[:4], 4, batch_size=4)  # warm-up, dropped
     results = []
     for name, kw in configs:
@@ -229,12 +211,12 @@ def main() -> None:
         results.append((name, *min(runs, key=lambda r: r[0])))
     base_seconds, base_tokens, base_texts = results[0][1:]
     base_rate = base_tokens / base_seconds
-    print(f"{'config':<36}{'seconds':>9}{'tokens':>9}{'tok/s':>10}{'x first':>11}{'differ':>8}")
+    print(f"{'config':<28}{'seconds':>9}{'tokens':>9}{'tok/s':>10}{'x first':>11}{'differ':>8}")
     for name, seconds, tokens, texts in results:
         rate = tokens / seconds
         differ = sum(a != b for a, b in zip(texts, base_texts, strict=True))
         print(
-            f"{name:<36}{seconds:>9.2f}{tokens:>9d}{rate:>10.1f}"
+            f"{name:<28}{seconds:>9.2f}{tokens:>9d}{rate:>10.1f}"
             f"{rate / base_rate:>11.2f}{differ:>8d}"
         )
 

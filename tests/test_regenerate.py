@@ -77,10 +77,7 @@ def run(model, tokenizer, prompts, out_dir, **kwargs) -> regen.RegenerateStats:
     return regenerate(model, tokenizer, prompts, out_dir, **{**settings, **kwargs})
 
 
-@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
-def test_greedy_equals_unpadded_generate(tiny_model, tmp_path, kv_cache):
-    """Left-padded batches give each prompt's own greedy tokens, with either KV cache (the
-    reference decodes one prompt alone, unpadded, with transformers' default cache)."""
+def test_greedy_equals_unpadded_generate(tiny_model, tmp_path):
     model, tokenizer = tiny_model
     sharpen(model)
     prompts = make_prompts(10)
@@ -88,9 +85,7 @@ def test_greedy_equals_unpadded_generate(tiny_model, tmp_path, kv_cache):
         make_eos_reachable(model, tokenizer, prompts[4])
     expected = [reference(model, tokenizer, p, 12) for p in prompts]
 
-    stats = run(
-        model, tokenizer, prompts, tmp_path, max_new_tokens=12, batch_size=4, kv_cache=kv_cache
-    )
+    stats = run(model, tokenizer, prompts, tmp_path, max_new_tokens=12, batch_size=4)
     rows = load_regenerated(tmp_path).to_list()
     assert [r["id"] for r in rows] == [p["id"] for p in prompts]
     for (ids, finished), row in zip(expected, rows, strict=True):
@@ -108,32 +103,8 @@ def test_greedy_equals_unpadded_generate(tiny_model, tmp_path, kv_cache):
         for i, p in enumerate(prompts)
     ]
     params = regen.SamplingParams()
-    eos = [tokenizer.eos_token_id]
-    generate = regen.BatchGenerator(model, params, 0, eos, None, 12, kv_cache=kv_cache)
+    generate = regen.BatchGenerator(model, params, 0, [tokenizer.eos_token_id], None, 12)
     assert generate(batch) == expected
-
-
-def test_the_kv_cache_asked_for_is_the_one_generate_uses(tiny_llama, tmp_path, monkeypatch):
-    """``kv_cache`` reaches ``generate``: static writes a preallocated cache in place, dynamic
-    grows one (the class of the cache ``generate`` returns names which it built)."""
-    from transformers import DynamicCache, StaticCache
-
-    model, tokenizer = tiny_llama
-    built = []
-    real = type(model).generate
-
-    def spy(self, *args, **kwargs):
-        config = kwargs["generation_config"]
-        out = real(self, *args, **{**kwargs, "return_dict_in_generate": True})
-        built.append((config.cache_implementation, type(out.past_key_values)))
-        return out.sequences
-
-    monkeypatch.setattr(type(model), "generate", spy)
-    run(model, tokenizer, make_prompts(3), tmp_path / "s", kv_cache="static")
-    run(model, tokenizer, make_prompts(3), tmp_path / "d", kv_cache="dynamic")
-    assert built == [("static", StaticCache), (None, DynamicCache)]  # one batch of 3 each
-    with pytest.raises(DataError, match="kv_cache: expected 'static' or 'dynamic', got 'paged'"):
-        run(model, tokenizer, make_prompts(3), tmp_path / "p", kv_cache="paged")
 
 
 def test_rows_fields_and_prompt_order(tiny_llama, tmp_path):

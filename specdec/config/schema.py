@@ -146,10 +146,6 @@ class RegenerateConfig:
         "transformers", "transformers: the target's generate; vllm: vLLM's engine (when it is "
         "installed; one process, it batches by itself).",
     )  # fmt: skip
-    kv_cache: Literal["static", "dynamic"] = _opt(
-        "static", "The transformers backend's KV cache: static is written in place, dynamic "
-        "grows by concatenation (copies the batch's whole cache at every step).",
-    )  # fmt: skip
 
 
 @dataclass

@@ -105,7 +105,6 @@ def build_data(recipe: Recipe, target, progress: bool = True) -> DataReport:
         max_prompt_length=recipe.data.max_length,
         workers=gen.workers,
         backend=gen.backend,
-        kv_cache=gen.kv_cache,
         load=partial(load_target_model, recipe.target),
         progress=progress,
     )

@@ -106,7 +106,6 @@ def regenerate(
     workers: int = 1,
     load: Callable[[], tuple] | None = None,
     backend: str = "transformers",
-    kv_cache: str = "static",
     progress: bool = True,
 ) -> RegenerateStats:
     """Let ``model`` answer every prompt and write the conversations to ``out_dir``.
@@ -137,9 +136,6 @@ def regenerate(
             the same model as ``model``, called once in each worker.
         backend: ``"transformers"`` (``model.generate``) or ``"vllm"`` (vLLM loads the
             model from ``model``'s ``name_or_path``; :mod:`specdec.data.vllm_backend`).
-        kv_cache: the transformers backend's KV cache, ``"static"`` (written in place) or
-            ``"dynamic"`` (grown by concatenation). Both are the target's greedy decoding;
-            a near-tie may break differently, as it may with another batch size.
         progress: show a tqdm bar.
 
     Returns:
@@ -154,8 +150,6 @@ def regenerate(
         raise DataError("workers > 1 needs `load`, which loads the model in each worker")
     if backend not in ("transformers", "vllm"):
         raise DataError(f"backend: expected 'transformers' or 'vllm', got {backend!r}")
-    if kv_cache not in ("static", "dynamic"):
-        raise DataError(f"kv_cache: expected 'static' or 'dynamic', got {kv_cache!r}")
     if backend == "vllm" and workers > 1:
         raise DataError("backend 'vllm' batches by itself: use workers=1")
     rows = _checked_prompts(prompts)
@@ -205,7 +199,6 @@ def regenerate(
         job = Job(
             todo, params, seed, eos_ids, max_new_tokens, batch_size, max_batch_tokens,
             shard_size, backend=backend, model_path=settings["model"], dtype=dtype,
-            kv_cache=kv_cache,
         )  # fmt: skip
         bar = tqdm(total=len(todo), unit="prompt", desc="regenerate", disable=not progress)
         with bar:
@@ -256,7 +249,6 @@ class Job:
     backend: str = "transformers"
     model_path: str = ""
     dtype: str = "float32"
-    kv_cache: str = "static"
 
     def batches(self, prompts: list[_Prompt]) -> list[list[_Prompt]]:
         return _batches(prompts, self.batch_size, self.max_batch_tokens, self.max_new_tokens)
@@ -270,8 +262,7 @@ class Job:
             settings = (self.params, self.seed, self.eos_ids, self.max_new_tokens)
             return VLLMGenerator(self.model_path, self.dtype, *settings)
         pad, most = tokenizer.pad_token_id, self.max_new_tokens
-        settings = (self.params, self.seed, self.eos_ids, pad, most)
-        return BatchGenerator(model, *settings, kv_cache=self.kv_cache)
+        return BatchGenerator(model, self.params, self.seed, self.eos_ids, pad, most)
 
 
 class BarReport:

@@ -47,24 +47,15 @@ class _PerPromptSampler(LogitsProcessor):
 class BatchGenerator:
     """Left-pads a batch of prompts, calls ``generate`` and strips padding and EOS."""
 
-    def __init__(
-        self, model, params: SamplingParams, seed: int, eos_ids, pad_id, max_new: int,
-        kv_cache: str = "static",
-    ):  # fmt: skip
+    def __init__(self, model, params: SamplingParams, seed: int, eos_ids, pad_id, max_new: int):
         self.model = model
         self.params = params
         self.seed = seed
         self.eos_ids = set(eos_ids)
         # padding is masked on the way in and cut (after the first EOS) on the way out
         self.pad_id = eos_ids[0] if pad_id is None else pad_id
-        # greedy decoding always; sampling, when asked for, happens in _PerPromptSampler.
-        # A static KV cache is written in place; the dynamic one is re-concatenated at every
-        # step, copying the whole batch's cache each time (bench/regenerate_throughput.py).
-        # Compiling is off: each batch's width would be a new shape to compile for.
-        static = kv_cache == "static"
+        # greedy decoding always; sampling, when asked for, happens in _PerPromptSampler
         self.config = GenerationConfig(
-            cache_implementation="static" if static else None,
-            disable_compile=True,
             max_new_tokens=max_new,
             min_new_tokens=0,
             do_sample=False,
