@@ -135,6 +135,16 @@ def test_report_and_plots_are_written(results):
     assert "Per category" in text and "the speed of transformers' `generate()`" in text
     ratio = result["verify_cost_ratio"]
     assert "verify cost v(m)" in text and f"2:{ratio[2]:.2f}" in text
+    # the main table: a header cell for every column, each row's c and v under their names
+    config = result["configs"][0]
+    lines = text.split(f"## k={config['k']}, T={config['temperature']:g}")[1].splitlines()
+    table = [line for line in lines if line.startswith("| ")][: 1 + len(result["methods"])]
+    head = [cell.strip() for cell in table[0].strip("|").split("|")]
+    for line in table[1:]:
+        cells = dict(zip(head, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+        r = config["methods"][cells["method"]]
+        expected = ("-", "-") if r.get("c") is None else (f"{r['c']:.3f}", f"{r['v']:.2f}")
+        assert (cells["c"], cells["v"]) == expected, cells["method"]
     for p in paths[1:]:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
 
