@@ -220,6 +220,14 @@ HANDLERS = {
 }  # fmt: skip
 
 
+#: what a rerun of an interrupted subcommand picks up (the others start again)
+RESUMES = {
+    "train": "the same command resumes from the latest saved state",
+    "regenerate": "the same command keeps the saved shards and generates the rest",
+    "cache": "the same command keeps the saved shards and builds the rest",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -234,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecdecError as err:
         print(f"specdec: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        resumes = RESUMES.get(args.handler)
+        print("specdec: interrupted" + (f"; {resumes}" if resumes else ""), file=sys.stderr)
+        return 130
     return 0
 
 

@@ -234,3 +234,25 @@ def test_reduced_checkpoint_with_a_garbage_config(capsys, tmp_path, tiny_llama_d
     out = tmp_path / "score.json"
     err = error_line(capsys, ["score", "--checkpoint", str(ckpt), "--out", str(out)])
     assert err.startswith(f"specdec: error: {ckpt}: unreadable checkpoint (")
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["train", "--config", "r.yaml"],
+         "specdec: interrupted; the same command resumes from the latest saved state"),
+        (["data", "regenerate", "--config", "r.yaml"],
+         "specdec: interrupted; the same command keeps the saved shards and generates the rest"),
+        (["score", "--drafter", "prompt_lookup"], "specdec: interrupted"),
+    ],
+)  # fmt: skip
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch, argv, line):
+    """Ctrl-C in any command: one line saying what a rerun picks up, no traceback."""
+    from specdec import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.HANDLERS, cli.build_parser().parse_args(argv).handler, interrupted)
+    assert main(argv) == 130
+    assert capsys.readouterr().err.splitlines() == [line]
