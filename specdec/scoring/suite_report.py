@@ -121,7 +121,7 @@ def _table(c: dict) -> list[str]:
     k = c["k"]
     head = "| method | tau | alpha | E[alpha] | " + " | ".join(f"acc@{i}" for i in range(1, k + 1))
     head += " | c | v | speedup [95% CI] | vs generate() | bound | efficiency | identical |"
-    lines = [head, "|" + "---|" * (12 + k - 1)]
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in c["methods"].items():
         acc = r.get("accept_rate_per_position") or [None] * k
         identical = r.get("greedy_match_rate")
