@@ -10,7 +10,8 @@ from datasets import Dataset
 from test_training import RECIPE, overrides, setup  # noqa: F401  (setup is a fixture)
 
 from specdec.config import load_recipe
-from specdec.training.heldout import SourceAccuracy, split_rows
+from specdec.data.build import split_rows
+from specdec.training.heldout import SourceAccuracy
 from specdec.training.step import micro_batch
 
 
@@ -129,3 +130,39 @@ def test_heldout_metrics_every_log_interval(setup, tmp_path):  # noqa: F811
     for m in logged:  # one source (the prompts file's name), a window of one step
         assert [k for k in m if k.startswith("train/acc@1/")] == ["train/acc@1/target/train"]
         assert m["train/acc@1/target/train"] == pytest.approx(m["train/acc@1"], abs=1e-6)
+
+
+def test_loss_on_all_teaches_prompts_and_still_measures_heldout_on_answers(setup, tmp_path):  # noqa: F811
+    """``data.loss_on: all``: the teacher cache holds the target's distribution at every
+    position of the rows trained on (prompts too), the held-out rows keep their answer-only
+    positions, and the held-out metrics are those of the answers alone."""
+    from specdec.data.build import load_training_data
+    from specdec.target import FrozenTarget
+    from specdec.training.loop import train
+
+    extra = ("data.heldout_rows=2", "train.log_every=1", "train.save_every=4")
+    extra += ("drafter.init_from_target=true", "drafter.draft_vocab_size=96")
+    extra += ("data.teacher=cache", "data.cache.dtype=float32", "data.cache.top_k=0")  # exact
+    taught = {}
+    for loss_on in ("assistant", "all"):
+        run_dir = tmp_path / loss_on
+        recipe = load_recipe(RECIPE, overrides(setup, run_dir, *extra, f"data.loss_on={loss_on}"))
+        train(recipe)
+        manifest = json.loads((run_dir / "teacher-cache" / "manifest.json").read_text())
+        taught[loss_on] = manifest["teacher_positions"]
+
+    target = FrozenTarget.from_config(recipe.target)
+    dataset, _ = load_training_data(recipe, target.tokenizer)  # assistant-only masks
+    _, heldout = split_rows(dataset, 2, recipe.run.seed)
+    answers = [sum(m[1:]) for m in dataset["loss_mask"]]  # position t teaches token t + 1
+    every = [len(ids) - 1 for ids in dataset["input_ids"]]
+    held = set(heldout.tolist())
+    assert taught["assistant"] == sum(answers)
+    expected = sum(answers[r] if r in held else every[r] for r in range(len(dataset)))
+    assert taught["all"] == expected > taught["assistant"]
+
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in lines if "heldout/acc@1" in m][-1]
+    acc, accept, _ = expected_heldout(run_dir, recipe, heldout)
+    assert last["heldout/acc@1"] == pytest.approx(acc, abs=1e-6)
+    assert last["heldout/expected_accept"] == pytest.approx(accept, rel=1e-4)

@@ -192,6 +192,11 @@ class DataConfig:
     max_length: int = _opt(1024, "Longest tokenized conversation.", ge=2)
     overflow: Literal["truncate", "drop"] = _opt("truncate", "What to do with longer ones.")
     require_assistant: bool = _opt(False, "Error on a chat row without an assistant turn.")
+    loss_on: Literal["assistant", "all"] = _opt(
+        "assistant", "Positions that teach the drafter: the assistant's tokens, or every token "
+        "of the training rows (the prompts too: more positions from the same target pass). "
+        "Held-out rows are measured on assistant tokens either way.",
+    )  # fmt: skip
     regenerate: RegenerateConfig = _opt(RegenerateConfig(), "Target regeneration of answers.")
     dataset_dir: str | None = _opt(None, "Where regenerated data lives; null: <run dir>/data.")
     num_proc: int = _opt(1, "Processes used for tokenization.", ge=1)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
+import torch
 from datasets import Dataset
 
 from specdec.config import PromptSource, Recipe, load_recipe, recipe_text, save_recipe
@@ -194,6 +195,40 @@ def load_training_data(
     )
 
 
+def split_rows(dataset, wanted: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows to train on and the held-out rows: ``wanted`` target-written rows picked with
+    ``seed`` (at most a quarter of them; fewer is said in a warning)."""
+    written = torch.tensor(dataset["target_written"], dtype=torch.bool)
+    candidates = written.nonzero().flatten()
+    n = min(wanted, len(candidates) // 4)
+    if n < wanted:
+        logger.warning(
+            "data.heldout_rows: %d asked, %d held out (a quarter of the %d target-written rows)",
+            wanted, n, len(candidates),
+        )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    heldout = candidates[torch.randperm(len(candidates), generator=generator)[:n]].sort().values
+    train = torch.ones(len(dataset), dtype=torch.bool)
+    train[heldout] = False
+    return train.nonzero().flatten(), heldout
+
+
+def taught_rows(recipe: Recipe, dataset: Dataset, train_rows: torch.Tensor) -> Dataset:
+    """The dataset with the positions that teach the drafter marked in ``loss_mask``: as
+    tokenized (the assistant's tokens) under ``data.loss_on: assistant``; under ``all``, every
+    token of the ``train_rows``, the held-out rows keeping their assistant-only masks, on which
+    they are measured."""
+    if recipe.data.loss_on == "assistant":
+        return dataset
+    train = set(train_rows.tolist())
+
+    def widen(row: dict, index: int) -> dict:
+        mask = row["loss_mask"]
+        return {"loss_mask": [1] * len(mask) if index in train else mask}
+
+    return dataset.map(widen, with_indices=True, desc="data.loss_on: all")
+
+
 def regenerate_from_recipe(path: str, overrides: list[str]) -> DataReport:
     """``specdec data regenerate``: load the recipe and target, build the data, report."""
     from specdec.target import FrozenTarget
@@ -222,6 +257,9 @@ def cache_from_recipe(path: str, overrides: list[str], source: str | None = None
     build_data(recipe, target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
     layers = drafters.for_recipe(recipe.drafter, target, dataset).required_target_layers
+    dataset = taught_rows(
+        recipe, dataset, split_rows(dataset, recipe.data.heldout_rows, recipe.run.seed)[0]
+    )
     start = time.perf_counter()
     fp = cache_fingerprint(recipe, target, dataset, layers)
     if source is None:

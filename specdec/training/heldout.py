@@ -23,24 +23,6 @@ from specdec.training.step import collate, drafter_loss, step_counts
 logger = logging.getLogger(__name__)
 
 
-def split_rows(dataset, wanted: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows to train on and the held-out rows: ``wanted`` target-written rows picked with
-    ``seed`` (at most a quarter of them; fewer is said in a warning)."""
-    written = torch.tensor(dataset["target_written"], dtype=torch.bool)
-    candidates = written.nonzero().flatten()
-    n = min(wanted, len(candidates) // 4)
-    if n < wanted:
-        logger.warning(
-            "data.heldout_rows: %d asked, %d held out (a quarter of the %d target-written rows)",
-            wanted, n, len(candidates),
-        )  # fmt: skip
-    generator = torch.Generator().manual_seed(seed)
-    heldout = candidates[torch.randperm(len(candidates), generator=generator)[:n]].sort().values
-    train = torch.ones(len(dataset), dtype=torch.bool)
-    train[heldout] = False
-    return train.nonzero().flatten(), heldout
-
-
 class SourceAccuracy:
     """Agreements and positions of the first draft step per data source, over a window; kept
     on ``device``, so a training step adds no host synchronisation."""

@@ -17,6 +17,7 @@ from accelerate.utils import InitProcessGroupKwargs, set_seed
 from transformers import get_scheduler
 
 from specdec.config import Recipe, save_recipe
+from specdec.data.build import split_rows, taught_rows
 from specdec.data.onpolicy import POLICY_SOURCE, PolicyPool
 from specdec.errors import ConfigError, first_line
 from specdec.training import sharding
@@ -25,7 +26,7 @@ from specdec.training.checkpoint import (
     check_run_dir,
     recover_run_dir,
 )
-from specdec.training.heldout import SourceAccuracy, split_rows
+from specdec.training.heldout import SourceAccuracy
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ def setup(recipe: Recipe) -> Run:
     # the draft vocabulary is chosen from the rows trained on, not the held-out ones
     trained_on = dataset.select(train_rows.tolist())
     drafter = drafters.for_recipe(recipe.drafter, target, trained_on)
+    dataset = taught_rows(recipe, dataset, train_rows)
     cache = None
     if recipe.data.teacher == "cache":
         fp = cache_fingerprint(recipe, target, dataset, drafter.required_target_layers)
