@@ -488,3 +488,21 @@ def test_cache_command_builds_resumes_and_refuses_in_one_line(files, tmp_path, c
     last = err.splitlines()[-1]  # after the log lines
     assert last.startswith("specdec: error: data.cache.dir: ") and "Traceback" not in err
     assert "another dtype ('float16' there, 'fp8' now)" in last
+
+
+def test_cache_command_teaches_the_positions_training_does(files, tmp_path):
+    """Under ``data.loss_on: all`` the command widens the same rows' masks as training (the
+    held-out rows keep theirs), so training reads the command's cache as it is."""
+    from specdec.cli import main
+    from specdec.config import load_recipe
+    from specdec.training.loop import train
+
+    sets = [*command_sets(files, tmp_path), "data.loss_on=all", "data.teacher=cache"]
+    recipe = str(ROOT / "recipes" / "debug" / "tiny_eagle3.yaml")
+    assert main(["data", "cache", "--config", recipe, "--set", *sets]) == 0
+    cache = tmp_path / "run" / "teacher-cache"
+    built = json.loads((cache / "manifest.json").read_text())
+    shards = {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")}
+    train(load_recipe(recipe, [*sets, "train.max_steps=1", "train.save_every=1"]))
+    assert json.loads((cache / "manifest.json").read_text()) == built
+    assert {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")} == shards
