@@ -30,6 +30,8 @@ from specdec.data.build import (
     cache_fingerprint,
     load_training_data,
     open_teacher_cache,
+    split_rows,
+    taught_rows,
 )
 from specdec.target import FrozenTarget
 from specdec.training.setup import adamw
@@ -62,6 +64,8 @@ def main() -> None:
     torch.manual_seed(recipe.run.seed)
     drafter = drafters.for_recipe(recipe.drafter, target, dataset)
     layers = drafter.required_target_layers
+    train_rows = split_rows(dataset, recipe.data.heldout_rows, recipe.run.seed)[0]
+    dataset = taught_rows(recipe, dataset, train_rows)  # data.loss_on, as training marks it
     fp = cache_fingerprint(recipe, target, dataset, layers)
     build_teacher_cache(recipe, target, dataset, fp)  # nothing to do when it is there
     cache = open_teacher_cache(recipe, fp, drafter.teacher_vocab)
