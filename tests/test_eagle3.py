@@ -316,7 +316,9 @@ def test_feature_noise_is_relative_gaussian_and_only_while_training(target, monk
     """``feature_noise`` adds noise of that many standard deviations of the fused features to
     what the first decoder layer reads, fresh each forward, while training only: decoding and
     evaluation see the features as they are."""
-    drafter = head(target, draft_vocab_size=64, ttt_steps=2, feature_noise=noise)
+    cfg = {"draft_vocab_size": 64, "ttt_steps": 2, "feature_noise": noise}
+    drafter = head(target, **cfg)
+    drafter.prepare_training(Eagle3Config(**cfg), target)  # training's options, as the loop does
     model = drafter.module
     ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     _, feats = features(target, drafter, ids)

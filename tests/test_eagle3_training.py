@@ -35,12 +35,18 @@ def overrides(files: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_head_trains_target_and_embedding_stay_frozen(files, tmp_path, loaded_targets):
+@pytest.mark.parametrize("freeze_lm_head", [False, True])
+def test_head_trains_target_and_embedding_stay_frozen(
+    files, tmp_path, loaded_targets, freeze_lm_head
+):
+    """Every weight of the head changes; with ``drafter.freeze_lm_head`` every one but the LM
+    head, which stays the target's rows at the draft tokens, and is saved all the same."""
     from specdec.training.loop import train
 
     seen = loaded_targets  # the target instance the run trains against
     run_dir = tmp_path / "run"
-    recipe = load_recipe(RECIPE, overrides(files, run_dir, "train.save_every=100"))
+    frozen = f"drafter.freeze_lm_head={str(freeze_lm_head).lower()}"
+    recipe = load_recipe(RECIPE, overrides(files, run_dir, "train.save_every=100", frozen))
     summary = train(recipe)
     assert summary["steps"] == 4
     before = load_file(files / "target" / "model.safetensors")
@@ -61,7 +67,12 @@ def test_head_trains_target_and_embedding_stay_frozen(files, tmp_path, loaded_ta
     trained = {k for k in ckpt if k not in ("d2t", "t2d")}
     assert trained == set(fresh.module.state_dict()) == set(state)
     for name, tensor in fresh.module.state_dict().items():
-        assert not torch.equal(tensor, ckpt[name]), f"{name} did not change"
+        if freeze_lm_head and name == "lm_head.weight":
+            ids = ckpt["d2t"] + torch.arange(len(ckpt["d2t"]))  # the run's draft tokens
+            head = seen[0].model.get_output_embeddings().weight[ids]
+            assert torch.equal(ckpt[name], head), "the frozen LM head changed"
+        else:
+            assert not torch.equal(tensor, ckpt[name]), f"{name} did not change"
         assert torch.equal(state[name], ckpt[name])
     score = json.loads((ckpt_dir / "score.json").read_text())
     assert score["drafter"] == "eagle3" and score["greedy_match_rate"] == 1.0

@@ -83,10 +83,19 @@ class Eagle3Config(DrafterConfig):
         True, "Start from the target's read-out: LM head (at the draft tokens) and final norm "
         "copied, fused features = the highest target layer, decoder layers as identity.",
     )  # fmt: skip
+    freeze_lm_head: bool = option(
+        False, "Keep the LM head as it starts while training (built fresh: the target's rows at "
+        "the draft tokens, so it needs init_head_from_target): fewer weights to fit.",
+    )  # fmt: skip
 
     def check(self) -> None:
         if len(set(self.target_layers)) != len(self.target_layers):
             raise Invalid("drafter.target_layers", f"repeated layers in {self.target_layers}")
+        if self.freeze_lm_head and not (self.init_head_from_target or self.from_pretrained):
+            raise Invalid(
+                "drafter.freeze_lm_head", "needs drafter.init_head_from_target: true (a frozen "
+                "random head cannot learn)", also=("drafter.init_head_from_target",),
+            )  # fmt: skip
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -151,7 +160,6 @@ class Eagle3Drafter(TrainableDrafter):
         model = new_model(target, head_cfg)
         if cfg.init_head_from_target:
             init_from_target(model, target, draft_ids, layers[-1])
-        model.feature_noise = cfg.feature_noise
         model.to(target.device)
         return cls(model, layers, draft_ids, target.vocab_size, cfg.step_weight_decay)
 
@@ -184,6 +192,10 @@ class Eagle3Drafter(TrainableDrafter):
         model.to(target.device)
         decay = saved.get("step_weight_decay", 0.8)
         return cls(model, layers, draft_ids, target.vocab_size, decay)
+
+    def prepare_training(self, config: Eagle3Config, target) -> None:
+        self.model.feature_noise = config.feature_noise
+        self.model.lm_head.weight.requires_grad_(not config.freeze_lm_head)
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically: it is complete or it does not exist."""
