@@ -278,6 +278,22 @@ def test_checkpoint_of_another_target_is_refused(tmp_path):
         drafters.load(tmp_path / "ckpt", wider)
 
 
+@pytest.mark.parametrize("start", ["built", "from_pretrained"])
+def test_training_options_apply_to_a_loaded_head_too(target, tmp_path, start):
+    """``feature_noise`` and ``freeze_lm_head`` are training options: a recipe that starts from a
+    saved head gets them as one that builds a fresh head does."""
+    cfg = {"draft_vocab_size": 64, "feature_noise": 0.3, "freeze_lm_head": True}
+    if start == "from_pretrained":
+        head(target, draft_vocab_size=64).save(tmp_path / "ckpt", target_name=target.name)
+        cfg["from_pretrained"] = str(tmp_path / "ckpt")
+    rows = {"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]]}
+    drafter = drafters.for_recipe(Eagle3Config(**cfg), target, rows)
+    model = drafter.module
+    assert model.feature_noise == 0.3
+    assert not model.lm_head.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if n != "lm_head.weight")
+
+
 def test_default_layers_are_low_middle_high():
     assert default_layers(30) == [1, 14, 26]  # vLLM's aux layers 2, 15, 27 (their inputs)
     assert default_layers(32) == [1, 15, 28]
