@@ -12,6 +12,8 @@ most otherwise).
     python bench/regenerate_throughput.py --model DIR --num-prompts 96 --max-new-tokens 128
     python bench/regenerate_throughput.py --config recipes/smollm2-135m/eagle3.yaml \
         --num-prompts 64 --max-new-tokens 128 --batch-sizes 16 --workers 1 2 4
+    python bench/regenerate_throughput.py --config recipes/smollm2-135m/eagle3.yaml \
+        --num-prompts 128 --max-new-tokens 128 --batch-sizes 16 32 64 --sorted-only
 
 ``--workers`` adds rows for that many worker processes (at the largest batch size, sorted);
 their seconds are the whole call's wall clock, the workers' start and model loading included.
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-batch-tokens", type=int, help="also run sorted, token-budgeted")
+    parser.add_argument("--sorted-only", action="store_true", help="leave out unsorted batches")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
     parser.add_argument("--hidden", type=int, default=32, help="hidden size of the tiny model")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -185,7 +188,9 @@ def main() -> None:
 
     configs = [("batch 1", {"batch_size": 1})] if 1 in args.batch_sizes else []
     for size in (s for s in args.batch_sizes if s > 1):
-        configs.append((f"batch {size} unsorted", {"batch_size": size, "sort_by_length": False}))
+        if not args.sorted_only:
+            unsorted = {"batch_size": size, "sort_by_length": False}
+            configs.append((f"batch {size} unsorted", unsorted))
         configs.append((f"batch {size} sorted", {"batch_size": size}))
     if args.max_batch_tokens:
         big = max(args.batch_sizes) * 4
