@@ -15,7 +15,7 @@ import tiny_models
 import torch
 from safetensors.torch import load_file
 
-from specdec.config import load_recipe
+from specdec.config import load_recipe, recipe_to_dict
 from specdec.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,6 +307,26 @@ def test_resume_with_another_recipe_is_refused(setup, tmp_path):
     train(load_recipe(RECIPE, overrides(setup, run_dir, "train.max_steps=2")))
     with pytest.raises(ConfigError, match="different recipe.*train.lr"):
         train(load_recipe(RECIPE, overrides(setup, run_dir, "train.max_steps=4", "train.lr=0.1")))
+
+
+def test_run_from_before_an_option_existed_resumes_at_its_default(setup, tmp_path):
+    """A run directory whose recipe.yaml predates an option (the key is absent) ran at that
+    option's default: resuming it at the default is the same run, at another value it is not."""
+    import yaml
+
+    from specdec.training.checkpoint import check_same_recipe
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recipe = load_recipe(RECIPE, overrides(setup, run_dir))
+    assert recipe.data.loss_on == "assistant"  # the default, as the key's absence means
+    older = recipe_to_dict(recipe)
+    del older["data"]["loss_on"]
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(older))
+    check_same_recipe(run_dir, recipe)
+    other = load_recipe(RECIPE, overrides(setup, run_dir, "data.loss_on=all"))
+    with pytest.raises(ConfigError, match=r"different recipe \(data.loss_on: 'assistant' there"):
+        check_same_recipe(run_dir, other)
 
 
 def test_empty_eval_prompts_are_refused(setup, tmp_path):

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specdec.config import Recipe, recipe_to_dict
+from specdec.config import Recipe, load_recipe, recipe_to_dict
 from specdec.errors import ConfigError
 from specdec.files import recover_dir, write_json
 
@@ -102,6 +102,12 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
         return
     saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
     now = _flatten(recipe_to_dict(recipe))
+    if now.keys() - saved.keys():  # options added since the run began: it ran at their defaults
+        try:
+            filled = _flatten(recipe_to_dict(load_recipe(saved_path)))
+        except ConfigError:  # a key since removed or renamed: compared as it is
+            filled = {}
+        saved = {**{k: v for k, v in filled.items() if k not in saved}, **saved}
     for key in sorted(saved.keys() | now.keys()):
         if key.startswith(RESUMABLE_CHANGES) or saved.get(key) == now.get(key):
             continue
