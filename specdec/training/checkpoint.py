@@ -107,7 +107,7 @@ def check_same_recipe(run_dir: Path, recipe: Recipe) -> None:
             filled = _flatten(recipe_to_dict(load_recipe(saved_path)))
         except ConfigError:  # a key since removed or renamed: compared as it is
             filled = {}
-        saved = {**{k: v for k, v in filled.items() if k not in saved}, **saved}
+        saved = {**filled, **saved}  # what the file says wins
     for key in sorted(saved.keys() | now.keys()):
         if key.startswith(RESUMABLE_CHANGES) or saved.get(key) == now.get(key):
             continue
