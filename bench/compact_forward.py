@@ -1,5 +1,6 @@
 """The target's cached forward over m = 1..k+1 new tokens: transformers vs specdec's compact
-forward, with either matrix-product layout, one run. Not a test: a measurement.
+forward, with each matrix-product layout (``F.linear``, ``W @ x.T``, and on a CPU oneDNN's
+reordered weights from three rows on), one run. Not a test: a measurement.
 
 Prints milliseconds per forward and each method's ratio to transformers at the same m, and the
 verify cost ratio v(m) = t(m) / t(1) that bounds what speculative decoding can gain.
@@ -13,12 +14,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from specdec.decoding import compact
 from specdec.decoding.session import ModelSession
 from specdec.scoring.run import cost_profile
 from specdec.target import FrozenTarget
+
+LABELS = {"linear": "F.linear", "transposed": "W @ x.T", "packed": "packed"}
 
 
 def main() -> None:
@@ -33,23 +35,18 @@ def main() -> None:
     target = FrozenTarget.load(args.target, dtype=args.dtype)
     model, dtype = target.model, getattr(torch, args.dtype)
     prompt = [(13 * i) % 1000 + 100 for i in range(args.prompt_tokens)]
-    transposed = compact.CompactSession(model, dtype=dtype)
-    transposed.linear = compact._linear_transposed
-    plain = compact.CompactSession(model, dtype=dtype)
-    plain.linear = F.linear
-    sessions = {
-        "transformers": ModelSession(model),
-        "compact, F.linear": plain,
-        "compact, W @ x.T": transposed,
-    }
+    sessions = {"transformers": ModelSession(model)}
+    packs = target.device.type == "cpu" and dtype == torch.float32 and compact.packing_available()
+    for layout, label in LABELS.items():
+        if layout != "packed" or packs:
+            sessions[f"compact, {label}"] = compact.CompactSession(model, dtype, layout=layout)
     results = {}
     for name, session in sessions.items():
         seconds = cost_profile(session, prompt, args.max_tokens, args.repeats)
         results[name] = {m: 1000 * t for m, t in seconds.items()}
     chosen = compact.target_session(model)
     default = type(chosen).__name__
-    layout = getattr(chosen, "linear", None)
-    layout = "W @ x.T" if layout is compact._linear_transposed else "F.linear" if layout else "-"
+    layout = LABELS.get(getattr(chosen, "layout", None), "-")
     print(
         f"target {target.name} ({args.dtype}, {target.device}), {args.prompt_tokens} cached "
         f"tokens, threads {torch.get_num_threads()}; target_session uses {default} ({layout})"

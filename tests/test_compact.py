@@ -48,12 +48,17 @@ def _model(family: str):
     return model.eval()
 
 
+LAYOUTS = ["transposed"] + (["packed"] if compact.packing_available() else [])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_compact_float32_matches_transformers(family):
+def test_compact_float32_matches_transformers(family, layout):
     model = _model(family)
     assert compact.supports(model)
     ref = ModelSession(model)
-    fast = compact.CompactSession(model, dtype=torch.float32, capacity=8)  # grows twice
+    fast = compact.CompactSession(model, torch.float32, capacity=8, layout=layout)  # grows twice
+    assert fast.layout == layout
     prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
     steps = [[26], [43, 38, 32], [79]]
     torch.testing.assert_close(fast.extend(prompt), ref.extend(prompt), atol=1e-5, rtol=1e-4)
@@ -82,10 +87,12 @@ def test_compact_float16_is_close_and_returns_float32():
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
-def test_compact_follows_in_place_weight_updates():
-    """A session used for scoring during training sees the latest optimizer step."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compact_follows_in_place_weight_updates(layout):
+    """A session used for scoring during training sees the latest optimizer step (its reordered
+    copies of the weights too: three new tokens are multiplied by them)."""
     model = _model("llama")
-    fast = compact.CompactSession(model, dtype=torch.float32)
+    fast = compact.CompactSession(model, dtype=torch.float32, layout=layout)
     before = fast.extend([1, 2, 3]).clone()
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(2.0)
@@ -142,16 +149,45 @@ def test_transposed_linear_is_linear(rows):
     )
 
 
+@pytest.mark.skipif(not compact.packing_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 40])
+def test_packed_linear_is_linear(rows):
+    """Below three rows the plain weight is used, from three the reordered one: both are the
+    product, checked in float64 (the reordered copy is made here, not by the code tested)."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(rows, 24), torch.randn(40, 24), torch.randn(40)
+    expected = (x.double() @ weight.double().t() + bias.double()).float()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
+    for b in (bias, None):
+        out = compact._linear_packed(x.view(1, rows, 24), weight, b, packed)
+        assert out.shape == (1, rows, 40) and out.is_contiguous()
+        want = expected if b is not None else expected - bias
+        torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
+    # the reordered weight is what is multiplied from three rows on, the plain one below
+    zeros = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(weight), 4)
+    out = compact._linear_packed(x, weight, None, zeros)
+    assert out.abs().max() == 0 if rows >= compact.PACKED_FROM_ROWS else out.abs().max() > 0
+
+
+def test_layout_choices():
+    model = _model("llama")
+    with pytest.raises(ValueError, match="compact layout 'fast': expected one of"):
+        compact.CompactSession(model, torch.float32, layout="fast")
+    with pytest.raises(ValueError, match="'packed': needs float32 on a CPU"):
+        compact.CompactSession(model, torch.float16, layout="packed")
+    assert compact.CompactSession(model, torch.float16).layout == "linear"
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_target_session_is_compact_in_the_targets_dtype_with_its_hidden_layers(family):
     model = _model(family)
     layers = (0, 1)  # 1 is the last: after the final norm, as transformers returns it
     fast = compact.target_session(model, "auto", hidden_layers=layers)
     assert isinstance(fast, compact.CompactSession) and fast.dtype == torch.float32
-    assert fast.linear is compact._linear_transposed  # float32 on a CPU
+    assert fast.layout == ("packed" if compact.packing_available() else "transposed")
     ref = compact.target_session(model, "transformers", hidden_layers=layers)
     assert type(ref) is ModelSession
-    for tokens in ([3, 14, 15, 92, 65], [35], [89, 79]):
+    for tokens in ([3, 14, 15, 92, 65], [35], [89, 79], [12, 34, 56]):
         torch.testing.assert_close(fast.extend(tokens), ref.extend(tokens), atol=1e-5, rtol=1e-4)
         assert fast.hidden.keys() == ref.hidden.keys() == set(layers)
         for i in layers:

@@ -7,11 +7,17 @@ the same computation (RMSNorm, rotary embedding, grouped-query attention, gated 
 from the model's weights with a preallocated KV cache, so rolling back is moving an index. It
 follows a model that is still being trained (see :meth:`CompactSession.reset`).
 
-On a CPU in float32 the matrix products are computed as ``W @ x.T``: MKL (torch 2.13) serves a
-1-row ``F.linear`` with a matrix-vector kernel that reads SmolLM2-135M's 30 layers and head in
-45 ms, while ``W @ x.T`` with two rows takes 16 ms (and 31 ms with five rows, against 69 ms for
-``F.linear``). One new token is therefore computed as two identical rows. In float16 ``F.linear``
-is the faster of the two and is kept (``bench/compact_forward.py`` prints both).
+On a CPU in float32 the matrix products of one or two new tokens are computed as ``W @ x.T``:
+MKL (torch 2.13) serves a 1-row ``F.linear`` with a matrix-vector kernel that reads SmolLM2-135M's
+30 layers and head in 45 ms, while ``W @ x.T`` with two rows takes 16 ms, so one new token is
+computed as two identical rows. From three rows on (a verify of two or more drafted tokens, a
+draft tree, a prompt) that layout turns slow (a forward of 3, 5 and 9 new tokens costs 1.4, 1.6
+and 2.6 forwards of one), so there the session multiplies by a copy of each weight that oneDNN
+has reordered for small batches once (``packed``), which costs about the same from 3 to 6 rows
+(1.2-1.3 forwards of one token, 1.5 at 9). The copies take as much memory again as the linear
+weights.
+In float16 ``F.linear`` is the fastest and is kept (``bench/compact_forward.py`` prints all
+three).
 
 Only architectures whose decoder layer is exactly that computation are accepted
 (:func:`supports`); anything else keeps the general :class:`ModelSession`.
@@ -88,6 +94,46 @@ def _linear_transposed(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torc
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+#: the fewest rows the ``packed`` layout multiplies with its reordered weights (fewer: ``W @ x.T``)
+PACKED_FROM_ROWS = 3
+#: the batch size oneDNN reorders the weights for
+PACKED_FOR_ROWS = 4
+
+
+def packing_available() -> bool:
+    """Whether this torch has oneDNN's reordered-weight linear (CPU builds with MKL-DNN)."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_linear_pointwise")
+        and hasattr(ops, "_reorder_linear_weight")
+    )
+
+
+def _linear_packed(x: torch.Tensor, weight: torch.Tensor, bias=None, packed=None) -> torch.Tensor:
+    """``F.linear`` through ``packed`` (``weight`` reordered by oneDNN) from
+    :data:`PACKED_FROM_ROWS` rows on, as :func:`_linear_transposed` below that."""
+    rows = x.reshape(-1, x.shape[-1])
+    if packed is None or rows.shape[0] < PACKED_FROM_ROWS:
+        return _linear_transposed(x, weight, bias)
+    y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+#: how a session computes a linear layer: ``linear`` (``F.linear``), ``transposed``
+#: (``W @ x.T``) or ``packed`` (``W @ x.T`` for one or two rows, oneDNN's reordered weights
+#: from three)
+LAYOUTS = {"linear": F.linear, "transposed": _linear_transposed, "packed": _linear_packed}
+
+
+def default_layout(device: torch.device, dtype: torch.dtype) -> str:
+    """``packed`` on a CPU in float32 where oneDNN is there (``transposed`` where not),
+    ``linear`` elsewhere: the fastest measured (``bench/compact_forward.py``)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return "linear"
+    return "packed" if packing_available() else "transposed"
+
+
 def default_dtype(model) -> torch.dtype:
     """float16 on a CPU (a draft step there is bound by reading the weights, and float16 halves
     them), the model's own dtype elsewhere."""
@@ -125,6 +171,8 @@ class CompactSession(ModelSession):
             :class:`ModelSession` (the last layer after the final norm).
         timed: accumulate forward seconds, as in :class:`ModelSession`.
         capacity: initial KV-cache length; it doubles when exceeded.
+        layout: how the linear layers are computed (:data:`LAYOUTS`; default:
+            :func:`default_layout`).
     """
 
     def __init__(
@@ -134,6 +182,7 @@ class CompactSession(ModelSession):
         hidden_layers: Sequence[int] = (),
         timed: bool = True,
         capacity: int = 1024,
+        layout: str | None = None,
     ):
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a supported Llama-family model")
@@ -146,8 +195,13 @@ class CompactSession(ModelSession):
         self.capacity = capacity
         self._packed_version: int | None = None
         device = next(model.parameters()).device
-        transposed = device.type == "cpu" and self.dtype == torch.float32
-        self.linear = _linear_transposed if transposed else F.linear
+        self.layout = layout or default_layout(device, self.dtype)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"compact layout {self.layout!r}: expected one of {list(LAYOUTS)}")
+        cpu32 = device.type == "cpu" and self.dtype == torch.float32
+        if self.layout == "packed" and not (cpu32 and packing_available()):
+            raise ValueError("compact layout 'packed': needs float32 on a CPU, torch with oneDNN")
+        self.linear = LAYOUTS[self.layout]
         num_layers = len(model.model.layers)
         # layer position -> the index as requested
         self._keep = {resolve_layer(i, num_layers): i for i in hidden_layers}
@@ -169,11 +223,15 @@ class CompactSession(ModelSession):
         version = sum(p._version for p in self.model.parameters())
         if version == self._packed_version:
             return
-        dt = self.dtype
+        dt, packed = self.dtype, self.layout == "packed"
 
         def linear(module) -> tuple:
             bias = None if module.bias is None else module.bias.detach().to(dt)
-            return module.weight.detach().to(dt), bias
+            weight = module.weight.detach().to(dt)
+            if not packed:
+                return weight, bias
+            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+            return weight, bias, reordered
 
         def norm(module) -> torch.Tensor | None:
             return None if module is None else module.weight.detach().to(dt)
