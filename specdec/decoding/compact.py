@@ -16,8 +16,9 @@ and 2.6 forwards of one), so there the session multiplies by a copy of each weig
 has reordered for small batches once (``packed``), which costs about the same from 3 to 6 rows
 (1.2-1.3 forwards of one token, 1.5 at 9). The copies are made when a session starts and take
 as much memory again as the linear weights (SmolLM2-135M: 0.3 s, peak RSS about 1 GiB more).
-In float16 ``F.linear`` is the fastest and is kept (``bench/compact_forward.py`` prints all
-three).
+These costs were measured on two cores of an x86-64 CPU with AVX-512 (AMD EPYC); on another
+CPU, run the benchmark before relying on them. In float16 ``F.linear`` is the fastest and is
+kept (``bench/compact_forward.py`` prints all three).
 
 Only architectures whose decoder layer is exactly that computation are accepted
 (:func:`supports`); anything else keeps the general :class:`ModelSession`.
