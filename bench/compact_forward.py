@@ -36,7 +36,7 @@ def main() -> None:
     model, dtype = target.model, getattr(torch, args.dtype)
     prompt = [(13 * i) % 1000 + 100 for i in range(args.prompt_tokens)]
     sessions = {"transformers": ModelSession(model)}
-    packs = target.device.type == "cpu" and dtype == torch.float32 and compact.packing_available()
+    packs = compact.default_layout(target.device, dtype) == "packed"  # where it can run
     for layout, label in LABELS.items():
         if layout != "packed" or packs:
             sessions[f"compact, {label}"] = compact.CompactSession(model, dtype, layout=layout)

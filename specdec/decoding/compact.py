@@ -199,8 +199,7 @@ class CompactSession(ModelSession):
         self.layout = layout or default_layout(device, self.dtype)
         if self.layout not in LAYOUTS:
             raise ValueError(f"compact layout {self.layout!r}: expected one of {list(LAYOUTS)}")
-        cpu32 = device.type == "cpu" and self.dtype == torch.float32
-        if self.layout == "packed" and not (cpu32 and packing_available()):
+        if self.layout == "packed" and default_layout(device, self.dtype) != "packed":
             raise ValueError("compact layout 'packed': needs float32 on a CPU, torch with oneDNN")
         self.linear = LAYOUTS[self.layout]
         num_layers = len(model.model.layers)
