@@ -1,4 +1,5 @@
-"""Throughput of target regeneration: length-sorted vs unsorted batches, batch sizes, workers.
+"""Throughput of target regeneration: backends, length-sorted vs unsorted batches, batch sizes,
+workers.
 
 Every configuration regenerates the same prompts greedily with :func:`specdec.data.regenerate`
 in one process, after a dropped warm-up (the fastest of ``--repeats`` runs is kept), and the
@@ -14,6 +15,12 @@ most otherwise).
         --num-prompts 64 --max-new-tokens 128 --batch-sizes 16 --workers 1 2 4
     python bench/regenerate_throughput.py --config recipes/smollm2-135m/eagle3.yaml \
         --num-prompts 128 --max-new-tokens 128 --batch-sizes 16 32 64 --sorted-only
+    python bench/regenerate_throughput.py --config recipes/smollm2-135m/eagle3.yaml \
+        --num-prompts 128 --max-new-tokens 128 --batch-sizes 16 --sorted-only \
+        --backends transformers compact
+
+``--backends`` runs every batch size with each backend (``compact``: continuous batching with
+that many slots, sorted by length).
 
 ``--workers`` adds rows for that many worker processes (at the largest batch size, sorted);
 their seconds are the whole call's wall clock, the workers' start and model loading included.
@@ -154,6 +161,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=32, help="hidden size of the tiny model")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per config; fastest kept")
+    parser.add_argument(
+        "--backends", nargs="+", default=["transformers"], choices=["transformers", "compact"],
+        help="regeneration backends, each at every batch size",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,6 +203,10 @@ def main() -> None:
             unsorted = {"batch_size": size, "sort_by_length": False}
             configs.append((f"batch {size} unsorted", unsorted))
         configs.append((f"batch {size} sorted", {"batch_size": size}))
+    for size in (s for s in args.batch_sizes if "compact" in args.backends):
+        configs.append((f"compact, {size} slots", {"batch_size": size, "backend": "compact"}))
+    if "transformers" not in args.backends:
+        configs = [c for c in configs if c[1].get("backend") == "compact"]
     if args.max_batch_tokens:
         big = max(args.batch_sizes) * 4
         budget = {"batch_size": big, "max_batch_tokens": args.max_batch_tokens}

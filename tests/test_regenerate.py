@@ -1,4 +1,5 @@
-"""Target regeneration: exact greedy outputs under left padding, resumable sharded output."""
+"""Target regeneration: exact greedy outputs under left padding and in the compact backend's
+slots, resumable sharded output."""
 
 import json
 import logging
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from specdec.data import regenerate as regen
+from specdec.data.compact_backend import CompactGenerator
 from specdec.data.regenerate import load_regenerated, regenerate
 from specdec.errors import DataError
 
@@ -77,7 +79,11 @@ def run(model, tokenizer, prompts, out_dir, **kwargs) -> regen.RegenerateStats:
     return regenerate(model, tokenizer, prompts, out_dir, **{**settings, **kwargs})
 
 
-def test_greedy_equals_unpadded_generate(tiny_model, tmp_path):
+BACKENDS = ["transformers", "compact"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_equals_unpadded_generate(tiny_model, tmp_path, backend):
     model, tokenizer = tiny_model
     sharpen(model)
     prompts = make_prompts(10)
@@ -85,7 +91,8 @@ def test_greedy_equals_unpadded_generate(tiny_model, tmp_path):
         make_eos_reachable(model, tokenizer, prompts[4])
     expected = [reference(model, tokenizer, p, 12) for p in prompts]
 
-    stats = run(model, tokenizer, prompts, tmp_path, max_new_tokens=12, batch_size=4)
+    stats = run(model, tokenizer, prompts, tmp_path, max_new_tokens=12, batch_size=4,
+                backend=backend)  # fmt: skip
     rows = load_regenerated(tmp_path).to_list()
     assert [r["id"] for r in rows] == [p["id"] for p in prompts]
     for (ids, finished), row in zip(expected, rows, strict=True):
@@ -97,13 +104,17 @@ def test_greedy_equals_unpadded_generate(tiny_model, tmp_path):
     if not model.config.tie_word_embeddings:
         assert 0 < stats.truncated < len(prompts)  # both kinds of row were exercised
 
-    # token for token, with every prompt in one batch: the most padding there can be
+    # token for token, with every prompt in one batch: the most padding there can be, or
+    # (compact) three slots that start again as each answer ends
     batch = [
         regen._Prompt(i, p["id"], p["messages"], None, prompt_ids(tokenizer, p["messages"]))
         for i, p in enumerate(prompts)
     ]
-    params = regen.SamplingParams()
-    generate = regen.BatchGenerator(model, params, 0, [tokenizer.eos_token_id], None, 12)
+    params, eos = regen.SamplingParams(), [tokenizer.eos_token_id]
+    if backend == "compact":
+        generate = CompactGenerator(model, params, 0, eos, 12, slots=3)
+    else:
+        generate = regen.BatchGenerator(model, params, 0, eos, None, 12)
     assert generate(batch) == expected
 
 
@@ -128,16 +139,20 @@ def test_rows_fields_and_prompt_order(tiny_llama, tmp_path):
     assert manifest["counts"]["num_rows"] == 9 and manifest["counts"]["complete"] is True
 
 
-def test_sampling_is_per_prompt_whatever_the_batching(tiny_llama, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampling_is_per_prompt_whatever_the_batching(tiny_llama, tmp_path, backend):
     model, tokenizer = tiny_llama
     sharpen(model)
     prompts = make_prompts(8)
     sampling = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 3}
     run(model, tokenizer, prompts, tmp_path / "a", batch_size=1, sort_by_length=False, **sampling)
-    run(model, tokenizer, prompts, tmp_path / "b", batch_size=4, **sampling)
-    run(model, tokenizer, prompts, tmp_path / "c", batch_size=4, **{**sampling, "seed": 4})
-    a, b, c = (load_regenerated(tmp_path / x).to_list() for x in "abc")
-    assert a == b
+    b, c = ({"batch_size": 4, "backend": backend, **sampling}, {"seed": 4})
+    run(model, tokenizer, prompts, tmp_path / "b", **b)
+    run(model, tokenizer, prompts, tmp_path / "c", **{**b, **c})
+    run(model, tokenizer, prompts, tmp_path / "d", **{**b, "batch_size": 1})
+    a, b, c, d = (load_regenerated(tmp_path / x).to_list() for x in "abcd")
+    # the compact backend draws from the same per-prompt streams as generate
+    assert a == b == d
     assert a != c
 
 
@@ -213,6 +228,9 @@ def test_different_settings_in_out_dir_are_an_error(tiny_llama, tmp_path):
         run(model, tokenizer, prompts, tmp_path, max_new_tokens=4, temperature=0.7)
     with pytest.raises(DataError, match="different prompt set"):
         run(model, tokenizer, prompts[:3], tmp_path, max_new_tokens=4)
+    # another backend's kernels may break ties differently: not mixed in one directory
+    with pytest.raises(DataError, match="backend=None there, 'compact' now"):
+        run(model, tokenizer, prompts, tmp_path, max_new_tokens=4, backend="compact")
     # batching does not change what is generated, so it may change between calls
     stats = run(model, tokenizer, prompts, tmp_path, max_new_tokens=4, batch_size=1)
     assert stats.num_skipped == 4

@@ -142,9 +142,10 @@ class RegenerateConfig:
         1, "Processes generating at once, each loading the target and taking a share of the "
         "prompts and of the CPU threads.", ge=1,
     )  # fmt: skip
-    backend: Literal["transformers", "vllm"] = _opt(
-        "transformers", "transformers: the target's generate; vllm: vLLM's engine (when it is "
-        "installed; one process, it batches by itself).",
+    backend: Literal["transformers", "compact", "vllm"] = _opt(
+        "transformers", "transformers: the target's generate; compact: the compact forward "
+        "with continuous batching of batch_size prompts (Llama, Qwen2, Qwen3; the fastest on a "
+        "CPU); vllm: vLLM's engine (when it is installed; one process, it batches by itself).",
     )  # fmt: skip
 
 

@@ -17,7 +17,8 @@ draw every token from a generator seeded by ``(seed, prompt id)`` alone, so a pr
 same random stream whatever batch it lands in (batch size, sorting, resuming); its tokens can
 differ only where padding moves a logit by a rounding error across a sampling boundary.
 
-Backends: the target's ``generate`` (:mod:`specdec.data.transformers_backend`) or vLLM
+Backends: the target's ``generate`` (:mod:`specdec.data.transformers_backend`), the compact
+forward's continuous batching (:mod:`specdec.data.compact_backend`) or vLLM
 (:mod:`specdec.data.vllm_backend`). With ``workers > 1`` several processes generate at once,
 each its share of the prompts (:mod:`specdec.data.parallel`). A lock on ``out_dir`` keeps a
 second run from writing there at the same time.
@@ -47,6 +48,11 @@ from specdec.target import eos_token_ids
 __all__ = ["MANIFEST", "FORMAT", "RegenerateStats", "load_regenerated", "regenerate"]
 
 logger = logging.getLogger(__name__)
+
+BACKENDS = ("transformers", "compact", "vllm")
+#: the compact backend is handed this many times ``batch_size`` prompts a call and keeps
+#: ``batch_size`` of them decoding at once (rows are written after each call)
+COMPACT_PROMPTS_PER_SLOT = 8
 
 
 @dataclass
@@ -134,8 +140,10 @@ def regenerate(
             (:mod:`specdec.data.parallel`); 1 generates here with ``model``.
         load: with ``workers > 1``: a picklable callable returning ``(model, tokenizer)``,
             the same model as ``model``, called once in each worker.
-        backend: ``"transformers"`` (``model.generate``) or ``"vllm"`` (vLLM loads the
-            model from ``model``'s ``name_or_path``; :mod:`specdec.data.vllm_backend`).
+        backend: ``"transformers"`` (``model.generate``), ``"compact"`` (the compact
+            forward, continuous batching of ``batch_size`` prompts; Llama, Qwen2 and Qwen3;
+            :mod:`specdec.data.compact_backend`) or ``"vllm"`` (vLLM loads the model from
+            ``model``'s ``name_or_path``; :mod:`specdec.data.vllm_backend`).
         progress: show a tqdm bar.
 
     Returns:
@@ -148,10 +156,14 @@ def regenerate(
         )
     if workers > 1 and load is None:
         raise DataError("workers > 1 needs `load`, which loads the model in each worker")
-    if backend not in ("transformers", "vllm"):
-        raise DataError(f"backend: expected 'transformers' or 'vllm', got {backend!r}")
+    if backend not in BACKENDS:
+        raise DataError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "vllm" and workers > 1:
         raise DataError("backend 'vllm' batches by itself: use workers=1")
+    if backend == "compact":  # refused before out_dir records it
+        from specdec.data.compact_backend import check_supported
+
+        check_supported(model)
     rows = _checked_prompts(prompts)
     kept, too_long = _tokenized(tokenizer, rows, max_prompt_length)
     if too_long:
@@ -251,6 +263,9 @@ class Job:
     dtype: str = "float32"
 
     def batches(self, prompts: list[_Prompt]) -> list[list[_Prompt]]:
+        if self.backend == "compact":  # continuous batching: more prompts than slots a call
+            n = self.batch_size * COMPACT_PROMPTS_PER_SLOT
+            return [prompts[i : i + n] for i in range(0, len(prompts), n)]
         return _batches(prompts, self.batch_size, self.max_batch_tokens, self.max_new_tokens)
 
     def generator(self, model, tokenizer):
@@ -261,6 +276,11 @@ class Job:
 
             settings = (self.params, self.seed, self.eos_ids, self.max_new_tokens)
             return VLLMGenerator(self.model_path, self.dtype, *settings)
+        if self.backend == "compact":
+            from specdec.data.compact_backend import CompactGenerator
+
+            settings = (self.params, self.seed, self.eos_ids, self.max_new_tokens)
+            return CompactGenerator(model, *settings, self.batch_size, self.max_batch_tokens)
         pad, most = tokenizer.pad_token_id, self.max_new_tokens
         return BatchGenerator(model, self.params, self.seed, self.eos_ids, pad, most)
 
