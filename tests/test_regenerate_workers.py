@@ -18,14 +18,14 @@ from specdec.errors import DataError
 
 def load_saved(path: str, die_after: int = 0) -> tuple:
     """A worker's ``load``: the saved model in float64; with ``die_after`` the process exits
-    abruptly (as if killed) at that many ``generate`` calls."""
+    abruptly (as if killed) after that many ``generate`` calls (-1: at the first)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     if die_after:
         generate, calls = model.generate, []
 
         def dying(*args, **kwargs):
             calls.append(1)
-            if len(calls) > die_after:
+            if len(calls) > max(die_after, 0):
                 os._exit(9)
             return generate(*args, **kwargs)
 
@@ -67,6 +67,17 @@ def test_workers_write_the_rows_of_one_process(sharp_dir, tmp_path):
     run(sharp_dir, tmp_path / "s2", workers=2, **sampling)
     sampled = load_regenerated(tmp_path / "s1").to_list()
     assert load_regenerated(tmp_path / "s2").to_list() == sampled != rows
+
+
+def test_compact_backend_in_workers_writes_the_rows_of_generate(sharp_dir, tmp_path):
+    run(sharp_dir, tmp_path / "one")
+    # the workers decode through the compact backend: generate() would end them
+    no_generate = partial(load_saved, sharp_dir, die_after=-1)
+    run(sharp_dir, tmp_path / "two", workers=2, backend="compact", load=no_generate)
+    rows = load_regenerated(tmp_path / "one").to_list()
+    assert load_regenerated(tmp_path / "two").to_list() == rows
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["settings"]["backend"] == "compact"
 
 
 def test_dead_worker_is_named_and_the_rerun_completes(sharp_dir, tmp_path):
