@@ -4,8 +4,8 @@ The target's prompts are decoded in the slots of one :class:`~specdec.decoding.c
 CompactBatch`: a prompt's forward runs alone, then every slot advances by one token per step,
 and a slot whose answer has ended takes the next prompt at once (continuous batching). No step
 is spent on padding or on answers that are done, and the linear layers run through the
-compact session's weight layout, so on a CPU this writes the same answers several times faster
-than the target's ``generate`` (``bench/regenerate_throughput.py``). Llama, Qwen2 and Qwen3
+compact session's weight layout, so on a CPU this writes the same answers up to twice as fast
+as the target's ``generate`` (``bench/regenerate_throughput.py``). Llama, Qwen2 and Qwen3
 targets only (:func:`specdec.decoding.compact.supports`).
 
 Greedy rows are the target's greedy answers up to floating-point ties, as with ``generate``.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.data.transformers_backend import _generator
+from specdec.data.transformers_backend import prompt_generator
 from specdec.decoding.compact import supports
 from specdec.decoding.compact_batch import CompactBatch
 from specdec.decoding.sampling import SamplingParams, probabilities
@@ -96,8 +96,9 @@ class CompactGenerator:
             """Starts waiting prompts in ``slot`` until one is held there or none is left."""
             while slot not in held and waiting:
                 index = waiting.pop()
-                prompt = prompts[index]
-                gen = None if self.params.greedy else _generator(self.seed, prompt.id, batch.device)
+                prompt, gen = prompts[index], None
+                if not self.params.greedy:
+                    gen = prompt_generator(self.seed, prompt.id, batch.device)
                 held[slot] = (index, [], gen)
                 take(slot, batch.start(slot, prompt.token_ids))
             if slot not in held:

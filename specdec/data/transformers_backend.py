@@ -21,7 +21,7 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
     return int.from_bytes(key[:8], "little") >> 1
 
 
-def _generator(seed: int, prompt_id: str, device: torch.device) -> torch.Generator:
+def prompt_generator(seed: int, prompt_id: str, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(prompt_seed(seed, prompt_id))
 
 
@@ -76,7 +76,7 @@ class BatchGenerator:
             attention_mask[i, width - len(p.token_ids) :] = 1
         processors = LogitsProcessorList()
         if not self.params.greedy:
-            gens = [_generator(self.seed, p.id, device) for p in batch]
+            gens = [prompt_generator(self.seed, p.id, device) for p in batch]
             processors.append(_PerPromptSampler(self.params, gens))
         with torch.inference_mode():
             out = self.model.generate(

@@ -305,16 +305,10 @@ class CompactSession(ModelSession):
             mask = full_mask(mask, end, self.device)
         elif m > 1:
             mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start)
-        linear, last = self.linear, len(self.layers) - 1
+        last = len(self.layers) - 1
         x = self.model.get_input_embeddings()(input_ids).to(self.dtype)
         for i, (layer, cache) in enumerate(zip(self.layers, self.kv, strict=True)):
-            h = self._norm(x, layer.norm1)
-            q = linear(h, *layer.q).view(m, self.num_heads, self.head_dim)
-            k = linear(h, *layer.k).view(m, self.num_kv_heads, self.head_dim)
-            v = linear(h, *layer.v).view(m, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:  # Qwen3: per-head norm before the rotation
-                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = self.attention_inputs(layer, x, cos, sin)
             cache[0, :, start:end] = k.transpose(0, 1)
             cache[1, :, start:end] = v.transpose(0, 1)
             out = F.scaled_dot_product_attention(
@@ -325,15 +319,33 @@ class CompactSession(ModelSession):
                 scale=self.scaling,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
-            x = x + linear(out.transpose(0, 1).reshape(m, -1), *layer.o)
-            h = self._norm(x, layer.norm2)
-            x = x + linear(F.silu(linear(h, *layer.gate)) * linear(h, *layer.up), *layer.down)
+            x = self.layer_output(layer, x, out.transpose(0, 1).reshape(m, -1))
             if i in self._keep and i != last:
                 self.hidden[self._keep[i]] = x
         x = self._norm(x, self.final_norm)
         if last in self._keep:
             self.hidden[self._keep[last]] = x
         return x
+
+    def attention_inputs(self, layer: _Layer, x: torch.Tensor, cos, sin) -> tuple:
+        """A decoder layer's queries ``[m, heads, head_dim]``, keys and values ``[m, kv_heads,
+        head_dim]`` for ``x`` ``[m, H]``, rotated by ``cos``/``sin`` ``[m, head_dim]``."""
+        m, linear = x.shape[0], self.linear
+        h = self._norm(x, layer.norm1)
+        q = linear(h, *layer.q).view(m, self.num_heads, self.head_dim)
+        k = linear(h, *layer.k).view(m, self.num_kv_heads, self.head_dim)
+        v = linear(h, *layer.v).view(m, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:  # Qwen3: per-head norm before the rotation
+            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def layer_output(self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's output for input ``x`` ``[m, H]`` whose attention read
+        ``attended`` ``[m, heads * head_dim]``: output projection, MLP, both residuals."""
+        linear = self.linear
+        x = x + linear(attended, *layer.o)
+        h = self._norm(x, layer.norm2)
+        return x + linear(F.silu(linear(h, *layer.gate)) * linear(h, *layer.up), *layer.down)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm: normalised in float32, scaled by the weight."""

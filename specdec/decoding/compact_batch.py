@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.decoding.compact import CompactSession, _rotate
+from specdec.decoding.compact import CompactSession
 
 
 class CompactBatch:
@@ -81,13 +81,7 @@ class CompactBatch:
         mask = (torch.arange(width, device=self.device) <= pos[:, None])[:, None, None, :]
         x = s.model.get_input_embeddings()(tokens.to(self.device)).to(s.dtype)  # [n, H]
         for layer, cache in zip(s.layers, self.kv, strict=True):
-            h = s._norm(x, layer.norm1)
-            q = s.linear(h, *layer.q).view(n, s.num_heads, s.head_dim)
-            k = s.linear(h, *layer.k).view(n, s.num_kv_heads, s.head_dim)
-            v = s.linear(h, *layer.v).view(n, s.num_kv_heads, s.head_dim)
-            if layer.q_norm is not None:  # Qwen3: per-head norm before the rotation
-                q, k = s._norm(q, layer.q_norm), s._norm(k, layer.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = s.attention_inputs(layer, x, cos, sin)
             cache[0, self._rows, :, pos] = k  # [n, kv_heads, head_dim] at each slot's column
             cache[1, self._rows, :, pos] = v
             out = F.scaled_dot_product_attention(
@@ -98,9 +92,7 @@ class CompactBatch:
                 scale=s.scaling,
                 enable_gqa=s.num_heads != s.num_kv_heads,
             )
-            x = x + s.linear(out.reshape(n, -1), *layer.o)
-            h = s._norm(x, layer.norm2)
-            x = x + s.linear(F.silu(s.linear(h, *layer.gate)) * s.linear(h, *layer.up), *layer.down)
+            x = s.layer_output(layer, x, out.reshape(n, -1))
         x = s._norm(x, s.final_norm)
         self.lengths += self.active
         return s.linear(x, *s.head).float()
