@@ -146,10 +146,10 @@ def test_sampling_is_per_prompt_whatever_the_batching(tiny_llama, tmp_path, back
     prompts = make_prompts(8)
     sampling = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 3}
     run(model, tokenizer, prompts, tmp_path / "a", batch_size=1, sort_by_length=False, **sampling)
-    b, c = ({"batch_size": 4, "backend": backend, **sampling}, {"seed": 4})
-    run(model, tokenizer, prompts, tmp_path / "b", **b)
-    run(model, tokenizer, prompts, tmp_path / "c", **{**b, **c})
-    run(model, tokenizer, prompts, tmp_path / "d", **{**b, "batch_size": 1})
+    batched = {"batch_size": 4, "backend": backend, **sampling}
+    run(model, tokenizer, prompts, tmp_path / "b", **batched)
+    run(model, tokenizer, prompts, tmp_path / "c", **{**batched, "seed": 4})
+    run(model, tokenizer, prompts, tmp_path / "d", **{**batched, "batch_size": 1})
     a, b, c, d = (load_regenerated(tmp_path / x).to_list() for x in "abcd")
     # the compact backend draws from the same per-prompt streams as generate
     assert a == b == d
