@@ -10,8 +10,8 @@ targets only (:func:`specdec.decoding.compact.supports`).
 
 Greedy rows are the target's greedy answers up to floating-point ties, as with ``generate``.
 Sampled rows draw each token from the prompt's own generator (seeded by ``(seed, prompt id)``)
-with the same call the transformers backend makes, so a row does not depend on the prompts it
-is decoded beside.
+through ``choose`` (``probabilities``, then one multinomial draw, as the transformers backend
+draws), so a row does not depend on the prompts it is decoded beside.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from specdec.data.transformers_backend import prompt_generator
 from specdec.decoding.compact import supports
 from specdec.decoding.compact_batch import CompactBatch
-from specdec.decoding.sampling import SamplingParams, probabilities
+from specdec.decoding.sampling import SamplingParams, choose
 from specdec.errors import DataError
 
 
@@ -81,10 +81,7 @@ class CompactGenerator:
         def take(slot: int, logits: torch.Tensor) -> None:
             """The slot's next token from its logits ``[V]``; ends its answer or holds it."""
             index, ids, gen = held[slot]
-            if self.params.greedy:
-                token = int(logits.argmax())
-            else:
-                token = int(torch.multinomial(probabilities(logits, self.params), 1, generator=gen))
+            token = int(choose(logits, self.params, gen))
             ids.append(token)
             tokens[slot] = token
             ended = token in self.eos_ids

@@ -73,10 +73,10 @@ class CompactBatch:
         """Appends ``tokens[i]`` (``[slots]``) to slot i for every slot; returns the logits
         ``[slots, V]`` that follow. A slot that is full (``capacity`` tokens) is an error."""
         s, n, pos = self.session, self.slots, self.lengths
-        if int(pos.max()) >= self.capacity:
+        width = int(pos.max()) + 1
+        if width > self.capacity:
             raise ValueError(f"a slot is full ({self.capacity} tokens)")
         cos, sin = s.cos[pos], s.sin[pos]  # [n, head_dim]
-        width = int(pos.max()) + 1
         # slot i sees its own columns 0..lengths[i] (the new token included)
         mask = (torch.arange(width, device=self.device) <= pos[:, None])[:, None, None, :]
         x = s.model.get_input_embeddings()(tokens.to(self.device)).to(s.dtype)  # [n, H]
