@@ -38,6 +38,7 @@ prompts whose lengths spread over two orders of magnitude, as real prompt sets d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import tempfile
@@ -157,7 +158,10 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-batch-tokens", type=int, help="also run sorted, token-budgeted")
     parser.add_argument("--sorted-only", action="store_true", help="leave out unsorted batches")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float64"],
+        help="the model's dtype (default: the recipe's target.dtype, else float32)",
+    )  # fmt: skip
     parser.add_argument("--hidden", type=int, default=32, help="hidden size of the tiny model")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per config; fastest kept")
@@ -169,10 +173,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype or "float32")
     load = None
     if args.config:
         spec, prompts = recipe_prompts(args.config, args.num_prompts)
+        spec = dataclasses.replace(spec, dtype=args.dtype or spec.dtype)
         load = partial(load_target_model, spec)
         model, tokenizer = load()
     elif args.model:

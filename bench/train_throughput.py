@@ -6,9 +6,11 @@ the same machine: (a) the target's no-grad forward alone (what the online step c
 optimizer), (c) the same step with the teacher read from the recipe's teacher cache (reading
 and unpacking the shards is inside the timing); with ``--every-row`` also (d) the cache step
 with the drafter computing every row, not only the rows a step trains (what skipping the
-others saves). Prints tokens/s, the cache's speedup over online, and peak memory; with
-``--profile N``, then where N cache steps spend their time, by operator. Not a test: a
-measurement.
+others saves); with ``--bf16`` also (e) the cache step with the drafter's forward under bfloat16
+autocast (what ``train.mixed_precision: bf16`` does; ``auto`` takes it on a GPU that supports it
+and on a CPU with bfloat16 units). Prints tokens/s, the cache's speedup over online, and peak
+memory; with ``--profile N``, then where N cache steps spend their time, by operator. Not a
+test: a measurement.
 
     python bench/train_throughput.py --config recipes/smollm2-135m/eagle3.yaml --steps 12
 
@@ -53,6 +55,9 @@ def main() -> None:
         "--every-row", action="store_true", help="also time the cache step computing every row"
     )
     parser.add_argument(
+        "--bf16", action="store_true", help="also time the cache step under bf16 autocast"
+    )
+    parser.add_argument(
         "--profile", type=int, default=0, metavar="N",
         help="afterwards, profile N cache steps and print the operators that cost most",
     )  # fmt: skip
@@ -91,6 +96,10 @@ def main() -> None:
     def every_row(*args, at=None):  # the drafter's forward told nothing of the rows read
         return [step[at] for step in model(*args)]
 
+    def bf16(*args, **kwargs):  # the drafter's forward as the accelerator autocasts it
+        with torch.autocast(target.device.type, dtype=torch.bfloat16):
+            return model(*args, **kwargs)
+
     def train_step(i: int, with_cache: bool, forward=model) -> int:  # the loop's own loss
         b = batch(i, with_cache)
         counts = drafter.loss_masks(b["loss_mask"]).sum(dim=(1, 2)).float()
@@ -107,6 +116,8 @@ def main() -> None:
     }
     if args.every_row:
         modes["cache, every row"] = lambda i: train_step(i, True, every_row)
+    if args.bf16:
+        modes["cache, bf16 autocast"] = lambda i: train_step(i, True, bf16)
     seconds = dict.fromkeys(modes, 0.0)
     tokens = dict.fromkeys(modes, 0)
     for step in modes.values():
@@ -128,6 +139,9 @@ def main() -> None:
     online = rate["training step, online"]
     for name, tps in rate.items():
         print(f"{name:<24}{tps:>10.1f} tokens/s{tps / online:>8.2f}x of online training")
+    if args.bf16:
+        ratio = rate["cache, bf16 autocast"] / rate["training step, cache"]
+        print(f"bf16 autocast against float32, both from the cache: {ratio:.2f}x")
     print(f"peak memory (all modes, one process) {peak_memory_mb(target.device):.0f} MiB")
     if args.profile:
         from torch.profiler import profile

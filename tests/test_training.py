@@ -261,6 +261,40 @@ def test_fsdp_refuses_a_loss_scaler():
     sharding.check_precision(SimpleNamespace(scaler=None))  # bf16, or a CPU
 
 
+def test_auto_precision_is_bf16_only_on_a_cpu_with_bf16_units(monkeypatch, tmp_path):
+    """``mixed_precision: auto`` without a GPU: bf16 where /proc/cpuinfo's flags line names
+    AVX512-BF16 or AMX-BF16 (bfloat16 products in hardware), no elsewhere (emulated bf16 is
+    no faster), and the accelerator is made with what auto chose."""
+    from specdec.training import setup as setup_module
+
+    zen4 = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512bw avx512_bf16 avx512_vnni\n"
+    sapphire_rapids = "processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n"
+    skylake = "processor\t: 0\nflags\t\t: fpu avx512f avx512bw avx512vl avx512_vnni\n"
+    elsewhere = "processor\t: 0\nbugs\t\t: avx512_bf16\nflags\t\t: fpu avx2\n"
+    assert setup_module.cpu_computes_bf16(zen4)
+    assert setup_module.cpu_computes_bf16(sapphire_rapids)
+    assert not setup_module.cpu_computes_bf16(skylake)
+    assert not setup_module.cpu_computes_bf16(elsewhere)  # only the flags line counts
+    assert not setup_module.cpu_computes_bf16("")
+
+    made = {}
+    monkeypatch.setattr(setup_module, "Accelerator", lambda **kwargs: made.update(kwargs))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = load_recipe(str(RECIPE), ["train.mixed_precision=auto"])
+    for cpuinfo, expected in ((zen4, "bf16"), (skylake, "no")):
+        (tmp_path / "cpuinfo").write_text(cpuinfo)
+        monkeypatch.setattr(setup_module, "CPUINFO", str(tmp_path / "cpuinfo"))
+        setup_module.make_accelerator(recipe)
+        assert made["mixed_precision"] == expected
+    monkeypatch.setattr(setup_module, "CPUINFO", str(tmp_path / "missing"))
+    setup_module.make_accelerator(recipe)
+    assert made["mixed_precision"] == "no"
+    (tmp_path / "cpuinfo").write_text(zen4)
+    monkeypatch.setattr(setup_module, "CPUINFO", str(tmp_path / "cpuinfo"))
+    setup_module.make_accelerator(load_recipe(str(RECIPE), ["train.mixed_precision=no"]))
+    assert made["mixed_precision"] == "no"  # an explicit choice stays
+
+
 def test_kept_responses_train_beside_regenerated_ones(setup, tmp_path):
     """`responses: keep` rows are trained on as they are; only the others are regenerated."""
     from specdec.data.build import build_data, load_training_data

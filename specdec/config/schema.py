@@ -250,8 +250,9 @@ class TrainConfig:
     )  # fmt: skip
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm; 0 is off.", ge=0)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = _opt(
-        "auto", "Autocast of the drafter; auto: bf16 where the GPU supports it, else no."
-    )
+        "auto", "Autocast of the drafter; auto: bf16 where the GPU supports it or, without a "
+        "GPU, where the CPU has bfloat16 units (AVX512-BF16, AMX), else no."
+    )  # fmt: skip
     save_every: int = _opt(200, "Checkpoint (and score) every this many steps.", ge=1)
     log_every: int = _opt(10, "Log metrics every this many steps.", ge=1)
     barrier_minutes: int = _opt(

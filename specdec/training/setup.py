@@ -10,6 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -31,10 +32,38 @@ from specdec.training.heldout import SourceAccuracy
 logger = logging.getLogger(__name__)
 
 
+#: CPU flags (Linux ``/proc/cpuinfo``) of units that compute bfloat16 products natively
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU has bfloat16 matrix units (AVX512-BF16 or AMX-BF16). There bfloat16
+    linear layers run about twice as fast as float32 (2.2x measured on a 2-core EPYC with
+    AVX512-BF16); without them bfloat16 is emulated and no faster. ``cpuinfo``: the text of
+    ``/proc/cpuinfo`` (read when None; no such file: False)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path(CPUINFO).read_text()
+        except OSError:
+            return False
+    flags = {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.split()}
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+def auto_precision() -> str:
+    """``train.mixed_precision: auto``: bf16 on a GPU that supports it, or without CUDA on a CPU
+    with bfloat16 units; else no."""
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if cpu_computes_bf16() else "no"
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     precision = recipe.train.mixed_precision
     if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+        precision = auto_precision()
+        logger.info("train.mixed_precision: auto is %s here", precision)
     trackers = list(recipe.train.trackers)
     if "wandb" in trackers:
         os.environ.setdefault("WANDB_MODE", "offline")  # online only when the user says so
