@@ -280,16 +280,17 @@ def test_checkpoint_of_another_target_is_refused(tmp_path):
 
 @pytest.mark.parametrize("start", ["built", "from_pretrained"])
 def test_training_options_apply_to_a_loaded_head_too(target, tmp_path, start):
-    """``feature_noise`` and ``freeze_lm_head`` are training options: a recipe that starts from a
-    saved head gets them as one that builds a fresh head does."""
+    """``feature_noise``, ``freeze_lm_head`` and ``recompute_attention`` are training options: a
+    recipe that starts from a saved head gets them as one that builds a fresh head does."""
     cfg = {"draft_vocab_size": 64, "feature_noise": 0.3, "freeze_lm_head": True}
+    cfg["recompute_attention"] = True
     if start == "from_pretrained":
         head(target, draft_vocab_size=64).save(tmp_path / "ckpt", target_name=target.name)
         cfg["from_pretrained"] = str(tmp_path / "ckpt")
     rows = {"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]]}
     drafter = drafters.for_recipe(Eagle3Config(**cfg), target, rows)
     model = drafter.module
-    assert model.feature_noise == 0.3
+    assert model.feature_noise == 0.3 and model.recompute_attention
     assert not model.lm_head.weight.requires_grad
     assert all(p.requires_grad for n, p in model.named_parameters() if n != "lm_head.weight")
 
@@ -371,3 +372,36 @@ def test_unrolled_steps_are_limited_to_seven():
     assert load_recipe(None, ["drafter.type=eagle3", "drafter.ttt_steps=7"]).drafter.ttt_steps == 7
     with pytest.raises(ConfigError, match=r"drafter.ttt_steps=8: expected <= 7, got 8"):
         load_recipe(None, ["drafter.type=eagle3", "drafter.ttt_steps=8"])
+
+
+def test_recomputed_attention_keeps_no_weights_and_gives_the_same_gradients(target):
+    """``recompute_attention``: no unrolled step keeps its attention weights ``[B, heads, T,
+    T + s]`` for the backward (the kept computation does), and every gradient is the kept
+    computation's, padding included."""
+    cfg = {"draft_vocab_size": 64, "ttt_steps": 3}
+    ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0  # a padded row, as training pads (on the right)
+    weigh = torch.randn(3, 2, 12, 64, generator=torch.Generator().manual_seed(4))
+    T = ids.shape[1]
+    grads, weights_kept = [], []
+    for recompute in (False, True):
+        drafter = head(target, **cfg)
+        drafter.prepare_training(Eagle3Config(**cfg, recompute_attention=recompute), target)
+        model = drafter.module.train()
+        assert model.cfg["head_dim"] < T  # no other saved tensor is [..., T, >= T]
+        _, feats = features(target, drafter, ids)
+        saved, hooks = [], torch.autograd.graph.saved_tensors_hooks
+        with hooks(lambda x, keep=saved.append: keep(x) or x, lambda x: x):
+            logits = model(ids, mask, feats)
+        weights_kept.append(
+            [x.shape for x in saved if x.is_floating_point() and x.dim() == 4
+             and x.shape[-2] == T and x.shape[-1] >= T]
+        )  # fmt: skip
+        (logits * weigh).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert weights_kept[0], "the kept computation keeps the attention weights"
+    assert not weights_kept[1], f"kept with recompute_attention: {weights_kept[1]}"
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -88,6 +88,12 @@ class Eagle3Config(DrafterConfig):
         "the draft tokens, so it needs init_head_from_target): fewer weights to fit.",
     )  # fmt: skip
 
+    recompute_attention: bool = option(
+        False, "Training: recompute each unrolled step's attention in the backward instead of "
+        "keeping its [B, heads, T, T] weights (same gradients, a little more compute; for long "
+        "rows of a large target, see bench/train_memory.py).",
+    )  # fmt: skip
+
     def check(self) -> None:
         if len(set(self.target_layers)) != len(self.target_layers):
             raise Invalid("drafter.target_layers", f"repeated layers in {self.target_layers}")
@@ -195,6 +201,7 @@ class Eagle3Drafter(TrainableDrafter):
 
     def prepare_training(self, config: Eagle3Config, target) -> None:
         self.model.feature_noise = config.feature_noise
+        self.model.recompute_attention = config.recompute_attention
         self.model.lm_head.weight.requires_grad_(not config.freeze_lm_head)
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:

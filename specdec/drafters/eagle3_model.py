@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from specdec.decoding.session import full_mask
 
@@ -119,6 +120,7 @@ class Eagle3Model(nn.Module):
         self.rotary = rotary
         self._borrowed = (embedding,)  # a tuple: nn.Module does not register what is inside
         self.feature_noise = 0.0
+        self.recompute_attention = False  # training: attention weights recomputed, not kept
 
     @property
     def embedding(self) -> nn.Module:
@@ -175,7 +177,11 @@ class Eagle3Model(nn.Module):
             for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
                 q, k, v = layer.qkv(x, e, cos, sin)
                 cache.append((k, v))
-                attn = _ttt_attention(q, cache, causal)
+                if self.training and self.recompute_attention:
+                    # the steps so far as they are now: the list grows with later steps
+                    attn = checkpoint(_ttt_attention, q, tuple(cache), causal, use_reentrant=False)
+                else:
+                    attn = _ttt_attention(q, cache, causal)
                 if rows is None or (s == 0 and i < len(self.layers) - 1):
                     x = layer.finish(x, attn)  # every row (the next layer's step-0 keys)
                 else:  # the read rows only; the others keep their input
