@@ -25,6 +25,7 @@ import argparse
 import json
 import resource
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -105,6 +106,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if not Path(args.target_config).is_file():
+        parser.error(f"--target-config: no such file {args.target_config}")
     recipe = load_recipe(args.config, ["drafter.init_head_from_target=false", *args.overrides])
     dtype = getattr(torch, recipe.target.dtype)
     target = stand_in(args.target_config, dtype)
