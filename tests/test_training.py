@@ -295,6 +295,20 @@ def test_auto_precision_is_bf16_only_on_a_cpu_with_bf16_units(monkeypatch, tmp_p
     assert made["mixed_precision"] == "no"  # an explicit choice stays
 
 
+def test_runs_of_other_precisions_follow_in_one_process(setup, tmp_path):
+    """accelerate keeps one state per process and refuses a second precision: a process that
+    trains one recipe after another (a sweep, a notebook) trains each in its own."""
+    from accelerate.state import AcceleratorState
+
+    from specdec.training.loop import train
+
+    for i, precision in enumerate(["no", "bf16", "no"]):
+        args = ("train.max_steps=1", "train.save_every=100", f"train.mixed_precision={precision}")
+        recipe = load_recipe(RECIPE, overrides(setup, tmp_path / f"run{i}", *args))
+        assert train(recipe)["steps"] == 1
+        assert AcceleratorState().mixed_precision == precision
+
+
 def test_kept_responses_train_beside_regenerated_ones(setup, tmp_path):
     """`responses: keep` rows are trained on as they are; only the others are regenerated."""
     from specdec.data.build import build_data, load_training_data

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 from transformers import get_scheduler
 
@@ -70,6 +71,10 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     # other processes wait at barriers while the main one regenerates data or scores: the
     # process group's timeout is sized to that work, not the backend's default (30 minutes)
     timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=recipe.train.barrier_minutes))
+    # accelerate keeps one state per process and refuses a run of another precision after it;
+    # a process that trains one recipe after another (a sweep, a notebook) starts each afresh
+    # (the process group, accelerate's PartialState, stays)
+    AcceleratorState._reset_state()
     return Accelerator(
         # without CUDA, a torchrun-style launch (accelerate launch --multi_gpu) is DDP over gloo
         cpu=not torch.cuda.is_available(),
