@@ -69,7 +69,7 @@ def stand_in(config_path: str, dtype: torch.dtype) -> StandInTarget:
         model.tie_weights()
     tokenizer = SimpleNamespace(all_special_ids=[], added_tokens_decoder={})  # none to keep
     target = StandInTarget(model, tokenizer=tokenizer, name=config_path)
-    target.parameters = parameters
+    target.parameter_count = parameters
     return target
 
 
@@ -117,7 +117,7 @@ def main() -> None:
     drafter.prepare_training(recipe.drafter, target)
     model = drafter.module.train()
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    target_params = target.parameters
+    target_params = target.parameter_count
     # the recipe's autocast as on a GPU (auto: one that supports bf16)
     precision = {"auto": "bf16"}.get(recipe.train.mixed_precision, recipe.train.mixed_precision)
     cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
