@@ -405,3 +405,30 @@ def test_recomputed_attention_keeps_no_weights_and_gives_the_same_gradients(targ
     assert grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_left_padded_row_trains_as_the_row_alone(target):
+    """A row padded on the left (a collator that pads there) gives the unpadded row's logits at
+    its tokens, whatever the padding's features, and finite gradients: a padded position that
+    may attend to nothing would be all -inf in step 0, NaN in its later steps and in every
+    weight's gradient."""
+    drafter = head(target, draft_vocab_size=64, ttt_steps=3)
+    model = drafter.module.train()
+    ids = torch.randint(0, target.vocab_size, (1, 10), generator=torch.Generator().manual_seed(5))
+    _, feats = features(target, drafter, ids)
+    alone = model(ids, torch.ones_like(ids), feats).detach()
+    pad = 4
+    padded_ids = torch.cat([torch.zeros(1, pad, dtype=ids.dtype), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, pad, dtype=ids.dtype), torch.ones_like(ids)], dim=1)
+    junk = torch.Generator().manual_seed(6)
+    padded_feats = [
+        torch.cat([torch.randn(1, pad, f.shape[-1], generator=junk), f], 1) for f in feats
+    ]
+    logits = model(padded_ids, mask, padded_feats)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[:, :, pad:], alone, atol=1e-5, rtol=1e-4)
+    weigh = torch.randn(alone.shape, generator=junk)
+    (logits[:, :, pad:] * weigh).sum().backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.isfinite(p.grad).all(), name

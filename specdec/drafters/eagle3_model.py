@@ -163,8 +163,9 @@ class Eagle3Model(nn.Module):
         B, T = input_ids.shape
         embeds = self.embedding(input_ids).to(hidden.dtype).detach()  # [B, T, H]
         causal = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()
-        if attention_mask is not None:
-            causal = causal & attention_mask.bool()[:, None, None, :]
+        if attention_mask is not None:  # a padded row sees itself only (never all -inf: NaN)
+            eye = torch.eye(T, dtype=torch.bool, device=hidden.device)
+            causal = (causal & attention_mask.bool()[:, None, None, :]) | eye
         caches: list[list] = [[] for _ in self.layers]
         positions = torch.arange(T, device=hidden.device)
         rows = None if at is None else at.nonzero(as_tuple=True)  # (b, t) of the read rows
