@@ -166,3 +166,18 @@ def test_loss_on_all_teaches_prompts_and_still_measures_heldout_on_answers(setup
     acc, accept, _ = expected_heldout(run_dir, recipe, heldout)
     assert last["heldout/acc@1"] == pytest.approx(acc, abs=1e-6)
     assert last["heldout/expected_accept"] == pytest.approx(accept, rel=1e-4)
+
+
+def test_a_held_out_prompt_is_not_trained_on_through_its_kept_twin():
+    """A source both regenerated and kept gives each prompt two rows of one id: the target's
+    answer and the source's own. When the target's is held out, the kept row trains neither:
+    its prompt (and an answer often near the target's) would otherwise be learnt."""
+    written = [True] * 20 + [False] * 20  # row 20 + i: the kept twin of row i
+    data = rows(written).add_column("id", [f"src:{i % 20}" for i in range(40)])
+    train, heldout = split_rows(data, 4, seed=3)
+    assert len(heldout) == 4 and all(i < 20 for i in heldout.tolist())
+    twins = {i + 20 for i in heldout.tolist()}
+    assert set(train.tolist()) == set(range(40)) - set(heldout.tolist()) - twins
+    # rows without ids (tokenized elsewhere) split as before: every row trains or is held out
+    plain_train, plain_heldout = split_rows(rows(written), 4, seed=3)
+    assert torch.equal(plain_heldout, heldout) and len(plain_train) == 36

@@ -340,6 +340,16 @@ def test_kept_responses_train_beside_regenerated_ones(setup, tmp_path):
     for answer in answers:
         assert sum(answer in t for t in texts) == 1
 
+    # one source regenerated and kept: each prompt's two rows share its id (held out together)
+    twins = f"[{{source: {kept}}}, {{source: {kept}, responses: keep}}]"
+    extra = ["data.max_prompts=null", f"data.prompts={twins}"]
+    both = load_recipe(RECIPE, overrides(setup, tmp_path / "twins", *extra))
+    build_data(both, target, progress=False)
+    dataset, _ = load_training_data(both, target.tokenizer)
+    pairs = sorted(zip(dataset["id"], dataset["target_written"], strict=True))
+    ids = sorted({row_id for row_id, _ in pairs})
+    assert len(ids) == 2 and pairs == [(i, w) for i in ids for w in (False, True)]
+
     no_answers = f"[{{source: {setup / 'train.jsonl'}, responses: keep}}]"
     bad = load_recipe(RECIPE, overrides(setup, tmp_path / "bad") + [f"data.prompts={no_answers}"])
     with pytest.raises(

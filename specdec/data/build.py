@@ -169,8 +169,9 @@ def load_training_data(
     regenerated answers and the rows of ``responses: keep`` sources, or with regeneration off
     every row's own responses. ``rows``: the recipe's :func:`training_prompts`, when the
     caller has them already. Besides ``input_ids`` and ``loss_mask``, each row's ``source``
-    (``target/<name>`` or ``data/<name>``: who wrote the answer, and the prompt source's name)
-    and ``target_written``."""
+    (``target/<name>`` or ``data/<name>``: who wrote the answer, and the prompt source's name),
+    ``target_written`` and ``id`` (the prompt's: a regenerated row and a ``keep`` row of one
+    prompt share it)."""
     rows = training_prompts(recipe)[0] if rows is None else rows
     source = ", ".join(p.source for p in recipe.data.prompts)
     written = [False] * len(rows)
@@ -191,13 +192,16 @@ def load_training_data(
         recipe.data.overflow,
         recipe.data.require_assistant,
         source=str(source),
-        carry=("source", "target_written"),
+        carry=("source", "target_written", "id"),
     )
 
 
 def split_rows(dataset, wanted: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows to train on and the held-out rows: ``wanted`` target-written rows picked with
-    ``seed`` (at most a quarter of them; fewer is said in a warning)."""
+    ``seed`` (at most a quarter of them; fewer is said in a warning). A row of the same prompt
+    as a held-out one (its ``id``: a ``responses: keep`` row of the source that was also
+    regenerated) is trained on by neither: its prompt would be trained on, its answer often
+    near the held-out one."""
     written = torch.tensor(dataset["target_written"], dtype=torch.bool)
     candidates = written.nonzero().flatten()
     n = min(wanted, len(candidates) // 4)
@@ -210,6 +214,13 @@ def split_rows(dataset, wanted: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     heldout = candidates[torch.randperm(len(candidates), generator=generator)[:n]].sort().values
     train = torch.ones(len(dataset), dtype=torch.bool)
     train[heldout] = False
+    if "id" in dataset.column_names and n:
+        ids = dataset["id"]
+        held = {ids[i] for i in heldout.tolist()}
+        twins = [i for i, row_id in enumerate(ids) if row_id in held and train[i]]
+        train[twins] = False
+        if twins:
+            logger.info("data.heldout_rows: %d rows of held-out prompts not trained on", len(twins))
     return train.nonzero().flatten(), heldout
 
 
