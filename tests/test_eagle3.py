@@ -3,6 +3,7 @@ step shift, exact greedy and sampled decoding (a reduced draft vocabulary includ
 vocabulary maps and checkpoints."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.speculative import generate
 from specdec.drafters.eagle3 import Eagle3Config, default_layers
 from specdec.drafters.eagle3_model import DraftCache
-from specdec.errors import ModelError
+from specdec.errors import ConfigError, ModelError
 from specdec.target import FrozenTarget
 
 PROMPTS = ["Tell me about the sea.", "def add(a, b):", "List three colors, please."]
@@ -293,6 +294,42 @@ def test_training_options_apply_to_a_loaded_head_too(target, tmp_path, start):
     assert model.feature_noise == 0.3 and model.recompute_attention
     assert not model.lm_head.weight.requires_grad
     assert all(p.requires_grad for n, p in model.named_parameters() if n != "lm_head.weight")
+
+
+@torch.no_grad()
+def test_a_loaded_head_trains_on_with_the_recipes_training_time_test(target, tmp_path):
+    """One step of training-time test first, then three from it: a head loaded through
+    ``drafter.from_pretrained`` unrolls the recipe's ``ttt_steps`` with its step weights, not
+    the saved run's, and its weights are the saved ones."""
+    first = head(target, draft_vocab_size=64, ttt_steps=1)
+    first.save(tmp_path / "ckpt", target_name=target.name)
+    cfg = Eagle3Config(draft_vocab_size=64, ttt_steps=3, step_weight_decay=0.5,
+                       from_pretrained=str(tmp_path / "ckpt"))  # fmt: skip
+    drafter = drafters.for_recipe(cfg, target, {"input_ids": [[1, 2]], "loss_mask": [[0, 1]]})
+    ids = torch.randint(0, target.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    _, feats = features(target, first, ids)
+    before = first.module.eval()(ids, torch.ones_like(ids), feats)
+    after = drafter.module.eval()(ids, torch.ones_like(ids), feats)
+    assert before.shape[0] == 1 and after.shape[0] == 3
+    torch.testing.assert_close(after[0], before[0])
+    assert drafter.step_weights().tolist() == [1.0, 0.5, 0.25]
+    drafter.save(tmp_path / "next", target_name=target.name)
+    assert drafters.load(tmp_path / "next", target).steps == 3
+
+
+@pytest.mark.parametrize(
+    "key, value, held",
+    [("num_layers", 2, "1"), ("draft_vocab_size", 32, "64"), ("draft_vocab_size", None, "64"),
+     ("target_layers", [1], "[0, 1]")],
+)  # fmt: skip
+def test_a_loaded_head_refuses_a_recipe_of_another_shape(target, tmp_path, key, value, held):
+    """A recipe whose head shape differs from the checkpoint it starts from is refused, naming
+    the key, rather than trained in the checkpoint's shape."""
+    head(target, draft_vocab_size=64).save(tmp_path / "ckpt", target_name=target.name)
+    cfg = {"draft_vocab_size": 64, key: value, "from_pretrained": str(tmp_path / "ckpt")}
+    expected = rf"drafter\.{key}: .* holds a head with {re.escape(held)}"
+    with pytest.raises(ConfigError, match=expected):
+        drafters.for_recipe(Eagle3Config(**cfg), target, {"input_ids": [[1]], "loss_mask": [[1]]})
 
 
 def test_default_layers_are_low_middle_high():
