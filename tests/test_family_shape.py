@@ -15,6 +15,7 @@ from specdec.decoding.compact import CompactSession, target_session
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
+from specdec.errors import ConfigError
 from specdec.target import FrozenTarget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,3 +307,32 @@ def test_unrolled_steps_are_weighted_by_decay_to_the_power_of_the_step():
                     count += 1
         want += weight * total / count
     assert float(loss) == pytest.approx(want, rel=1e-4)
+
+
+HEADS = {  # family: (its saved config, its loss-weight key, a shape key, the saved value)
+    "eagle3": (dict(draft_vocab_size=48), "step_weight_decay", "num_layers", 1),
+    "medusa": (dict(num_heads=3, lora_rank=0), "head_weight_decay", "num_heads", 3),
+    "mtp": (dict(num_modules=2, init_from_target=False), "step_weight_decay", "num_modules", 2),
+}
+
+
+@pytest.mark.parametrize("family", list(HEADS))
+def test_a_drafter_from_pretrained_trains_with_the_recipes_weights_in_its_own_shape(
+    family, tmp_path
+):
+    """``drafter.from_pretrained``: the loss weights are the recipe's (``decay ** s``, written
+    out here), not the saved run's; a recipe asking for another shape is refused, naming the
+    key, rather than trained in the checkpoint's shape."""
+    target = FrozenTarget(*tiny_models.tiny_llama(), name="tiny")
+    config = drafters.drafter_class(family).config_class
+    saved, decay, key, held = HEADS[family]
+    counts = torch.arange(target.vocab_size, 0, -1).float()
+    drafter = drafters.build(target, config(type=family, **saved, **{decay: 0.9}), counts)
+    path = str(drafter.save(tmp_path / "ckpt", target_name=target.name))
+    loaded = drafters.for_recipe(
+        config(type=family, **saved, **{decay: 0.5}, from_pretrained=path), target, None
+    )
+    assert loaded.step_weights().tolist() == pytest.approx([1.0, 0.5, 0.25][: loaded.steps])
+    other = {**saved, key: held + 1}
+    with pytest.raises(ConfigError, match=rf"drafter\.{key}: {held + 1} in the recipe.* {held};"):
+        drafters.for_recipe(config(type=family, **other, from_pretrained=path), target, None)

@@ -83,6 +83,12 @@ def for_recipe(config, target, dataset) -> TrainableDrafter:
                 f"drafter.from_pretrained: {path} holds a '{family}' drafter, not '{config.type}'"
             )
         drafter = load(path, target)
+        for key, (wanted, held) in drafter.loaded_shape(config, target).items():
+            if wanted != held:
+                raise ConfigError(
+                    f"drafter.{key}: {wanted} in the recipe, but drafter.from_pretrained {path} "
+                    f"holds {held}; a loaded drafter keeps its shape: set the checkpoint's value"
+                )
     drafter.prepare_training(config, target)
     return drafter
 

@@ -267,6 +267,12 @@ class TrainableDrafter(Drafter):
         whether the drafter was built fresh or loaded from ``from_pretrained``; most families
         have none."""
 
+    def loaded_shape(self, config, target) -> dict[str, tuple]:
+        """For a drafter loaded through ``from_pretrained``: each ``drafter`` key that fixes its
+        weights' shape, as ``{key: (the recipe's value, the loaded drafter's)}``; the recipe is
+        refused where they differ. None for families whose recipe sets no shape."""
+        return {}
+
     def param_groups(self, params: list, lr: float) -> list[dict]:
         """The optimizer's parameter groups over the trainable ``params`` (the recipe's
         ``train.lr`` is ``lr``): one group, unless a family trains parts at other rates."""
@@ -334,6 +340,13 @@ class TrainableDrafter(Drafter):
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically; it describes itself (``drafter.json``)."""
         raise NotImplementedError
+
+
+def vocab_shape(config, draft_ids: torch.Tensor | None, target) -> tuple[int, int]:
+    """``drafter.draft_vocab_size`` for :meth:`TrainableDrafter.loaded_shape`: the recipe's
+    and the loaded drafter's output vocabulary sizes (the full one where either is null)."""
+    wanted = min(config.draft_vocab_size or target.vocab_size, target.vocab_size)
+    return wanted, target.vocab_size if draft_ids is None else len(draft_ids)
 
 
 def draft_chain(

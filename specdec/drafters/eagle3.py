@@ -41,6 +41,7 @@ from specdec.drafters.base import (
     checked_forward,
     decoding_dtype,
     draft_chain,
+    vocab_shape,
 )
 from specdec.drafters.checkpoint import read_head, write_head
 from specdec.drafters.eagle3_model import (
@@ -202,43 +203,24 @@ class Eagle3Drafter(TrainableDrafter):
     def prepare_training(self, config: Eagle3Config, target) -> None:
         """The recipe's training options; a head loaded from ``drafter.from_pretrained`` trains
         on with the recipe's training-time test (``ttt_steps``, ``step_weight_decay``: e.g. one
-        step first, then three from it), and must have the shape the recipe asks for.
-
-        Raises:
-            ConfigError: the recipe's ``target_layers``, ``num_layers`` or
-                ``draft_vocab_size`` differ from the loaded head's.
-        """
-        if config.from_pretrained:
-            self._check_shape(config, target)
+        step first, then three from it)."""
         self.model.cfg["steps"] = self.steps = config.ttt_steps
         self.decay = config.step_weight_decay
         self.model.feature_noise = config.feature_noise
         self.model.recompute_attention = config.recompute_attention
         self.model.lm_head.weight.requires_grad_(not config.freeze_lm_head)
 
-    def _check_shape(self, config: Eagle3Config, target) -> None:
-        """The recipe's head shape against the loaded head's (weights cannot be reshaped)."""
+    def loaded_shape(self, config: Eagle3Config, target) -> dict[str, tuple]:
         layers = config.target_layers or default_layers(target.num_layers)
         try:
             layers = target.resolve_layers(layers)
         except ModelError as err:
             raise ConfigError(f"drafter.target_layers: {err}") from None
-        size = self.model.cfg["draft_vocab_size"]
-        shape = {
+        return {
             "target_layers": (layers, list(self.required_target_layers)),
             "num_layers": (config.num_layers, self.model.cfg["num_layers"]),
-            "draft_vocab_size": (
-                config.draft_vocab_size or target.vocab_size, size if self.draft_ids is not None
-                else target.vocab_size,
-            ),
-        }  # fmt: skip
-        for key, (wanted, held) in shape.items():
-            if wanted != held:
-                raise ConfigError(
-                    f"drafter.{key}: {wanted} in the recipe, but drafter.from_pretrained "
-                    f"{config.from_pretrained} holds a head with {held}; a loaded head keeps its "
-                    "shape: set the checkpoint's value"
-                )
+            "draft_vocab_size": vocab_shape(config, self.draft_ids, target),
+        }
 
     def save(self, path: str | os.PathLike, *, target_name: str, extra: dict | None = None) -> Path:
         """Write a checkpoint directory atomically: it is complete or it does not exist."""

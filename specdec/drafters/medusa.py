@@ -51,6 +51,7 @@ from specdec.drafters.base import (
     checked_forward,
     decoding_dtype,
     draft_chain,
+    vocab_shape,
 )
 from specdec.drafters.checkpoint import check_head_fits, read_head, write_head
 from specdec.drafters.medusa_model import MedusaHeads
@@ -193,10 +194,11 @@ class MedusaDrafter(TrainableDrafter):
         self.adapts_target = True
 
     def prepare_training(self, config: MedusaConfig, target) -> None:
-        """Medusa-1 heads (``from_pretrained``) with ``lora_rank`` > 0 get adapters here."""
+        """Medusa-1 heads (``from_pretrained``) with ``lora_rank`` > 0 get adapters here; a
+        loaded drafter takes the recipe's head weights and adapter rate."""
         from specdec.drafters import medusa_adapted
 
-        self.adapter_lr_scale = config.adapter_lr_scale
+        self.decay, self.adapter_lr_scale = config.head_weight_decay, config.adapter_lr_scale
         if self.backbone is None and config.lora_rank:
             cfg, self.backbone_weight = config, config.backbone_weight
             self._adapt(medusa_adapted.adapt(target.model, cfg.lora_rank, cfg.lora_alpha,
@@ -209,6 +211,13 @@ class MedusaDrafter(TrainableDrafter):
                 "and drafter.lora_rank is 0: no backward runs through the backbone"
             )
         medusa_adapted.checkpoint_layers(self.backbone)
+
+    def loaded_shape(self, config: MedusaConfig, target) -> dict[str, tuple]:
+        return {
+            "num_heads": (config.num_heads, self.model.cfg["num_heads"]),
+            "num_layers": (config.num_layers, self.model.cfg["num_layers"]),
+            "draft_vocab_size": vocab_shape(config, self.draft_ids, target),
+        }
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, target) -> MedusaDrafter:

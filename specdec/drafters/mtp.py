@@ -39,6 +39,7 @@ from specdec.drafters.base import (
     checked_forward,
     decoding_dtype,
     draft_chain,
+    vocab_shape,
 )
 from specdec.drafters.checkpoint import check_head_fits, read_head, write_head
 from specdec.drafters.eagle3_model import head_config
@@ -204,6 +205,16 @@ class MTPDrafter(TrainableDrafter):
     @property
     def module(self) -> MTPModel:
         return self.model
+
+    def prepare_training(self, config: MTPConfig, target) -> None:
+        """A drafter loaded from ``drafter.from_pretrained`` takes the recipe's step weights."""
+        self.decay = config.step_weight_decay
+
+    def loaded_shape(self, config: MTPConfig, target) -> dict[str, tuple]:
+        return {
+            "num_modules": (config.num_modules, self.model.cfg["num_modules"]),
+            "draft_vocab_size": vocab_shape(config, self.draft_ids, target),
+        }
 
     def step_weights(self) -> torch.Tensor:
         return self.decay ** torch.arange(self.steps, dtype=torch.float32)
