@@ -391,7 +391,7 @@ def test_medusa1_heads_from_pretrained_train_on_as_medusa2(target, tmp_path):
             if name.startswith("blocks."):
                 p.add_(0.05 * torch.randn_like(p))
     ckpt = first.save(tmp_path / "medusa1", target_name=target.name)
-    cfg = MedusaConfig(from_pretrained=str(ckpt), lora_rank=4, backbone_weight=3.0)
+    cfg = MedusaConfig(num_heads=2, from_pretrained=str(ckpt), lora_rank=4, backbone_weight=3.0)
     drafter = drafters.for_recipe(cfg, target, None)
     assert drafter.adapts_target and (drafter.steps, drafter.shift) == (3, 0)
     assert drafter.step_weights().tolist() == pytest.approx([3.0, 1.0, 0.8])
@@ -414,7 +414,7 @@ def test_gradient_checkpointing_without_adapters_refused(target, tmp_path):
     torch.manual_seed(0)
     heads = drafters.build(target, MedusaConfig(num_heads=2))
     ckpt = heads.save(tmp_path / "medusa1", target_name=target.name)
-    cfg = MedusaConfig(from_pretrained=str(ckpt), gradient_checkpointing=True)
+    cfg = MedusaConfig(num_heads=2, from_pretrained=str(ckpt), gradient_checkpointing=True)
     with pytest.raises(ConfigError, match=re.escape(f"{ckpt} holds Medusa-1 heads and drafter")):
         drafters.for_recipe(cfg, target, None)
 
