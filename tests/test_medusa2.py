@@ -222,6 +222,16 @@ def test_checkpoint_round_trip_in_peft_layout(target, tmp_path):
     assert loaded.steps == 4 and loaded.backbone_weight == drafter.backbone_weight
 
 
+def test_a_loaded_medusa2_trains_with_the_recipes_loss_weights(target, tmp_path):
+    """``drafter.from_pretrained`` naming a Medusa-2 checkpoint: the backbone's weight and the
+    heads' decay are the recipe's, not the saved run's (weights [backbone, 1, d, d**2])."""
+    path = medusa2(target, backbone_weight=5.0).save(tmp_path / "ckpt", target_name=target.name)
+    cfg = MedusaConfig(num_heads=3, lora_rank=4, backbone_weight=2.0, head_weight_decay=0.5,
+                       from_pretrained=str(path))  # fmt: skip
+    loaded = drafters.for_recipe(cfg, target, None)
+    assert loaded.step_weights().tolist() == pytest.approx([2.0, 1.0, 0.5, 0.25])
+
+
 @pytest.mark.parametrize("fmt", ["medusa", "vllm_medusa"])
 def test_export_puts_the_adapted_backbone_beside_the_heads(target, tmp_path, fmt):
     """The export's heads on its own base model's last hidden state give the checkpoint's head

@@ -270,7 +270,7 @@ class TrainableDrafter(Drafter):
     def loaded_shape(self, config, target) -> dict[str, tuple]:
         """For a drafter loaded through ``from_pretrained``: each ``drafter`` key that fixes its
         weights' shape, as ``{key: (the recipe's value, the loaded drafter's)}``; the recipe is
-        refused where they differ. None for families whose recipe sets no shape."""
+        refused where they differ. Empty for families whose recipe sets no shape."""
         return {}
 
     def param_groups(self, params: list, lr: float) -> list[dict]:

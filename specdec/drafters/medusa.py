@@ -195,12 +195,13 @@ class MedusaDrafter(TrainableDrafter):
 
     def prepare_training(self, config: MedusaConfig, target) -> None:
         """Medusa-1 heads (``from_pretrained``) with ``lora_rank`` > 0 get adapters here; a
-        loaded drafter takes the recipe's head weights and adapter rate."""
+        loaded drafter takes the recipe's loss weights and adapter rate."""
         from specdec.drafters import medusa_adapted
 
-        self.decay, self.adapter_lr_scale = config.head_weight_decay, config.adapter_lr_scale
+        self.decay, self.backbone_weight = config.head_weight_decay, config.backbone_weight
+        self.adapter_lr_scale = config.adapter_lr_scale
         if self.backbone is None and config.lora_rank:
-            cfg, self.backbone_weight = config, config.backbone_weight
+            cfg = config
             self._adapt(medusa_adapted.adapt(target.model, cfg.lora_rank, cfg.lora_alpha,
                                              cfg.lora_target_modules))  # fmt: skip
         if not config.gradient_checkpointing:
