@@ -114,6 +114,18 @@ def default_layers(num_layers: int) -> list[int]:
     return list(dict.fromkeys([0, num_layers // 2, num_layers - 1]))
 
 
+def recipe_layers(cfg: Eagle3Config, target) -> list[int]:
+    """The target layers a recipe's head fuses, resolved (non-negative).
+
+    Raises:
+        ConfigError: a layer out of the target's range, naming ``drafter.target_layers``.
+    """
+    try:
+        return target.resolve_layers(cfg.target_layers or default_layers(target.num_layers))
+    except ModelError as err:
+        raise ConfigError(f"drafter.target_layers: {err}") from None
+
+
 class Eagle3Drafter(TrainableDrafter):
     """The EAGLE-3 head as a drafter.
 
@@ -156,11 +168,7 @@ class Eagle3Drafter(TrainableDrafter):
     @classmethod
     def build(cls, target, cfg: Eagle3Config, token_counts=None) -> Eagle3Drafter:
         """A fresh head for ``target``, ready to train, on the target's device."""
-        layers = cfg.target_layers or default_layers(target.num_layers)
-        try:
-            layers = [target.resolve_layers([i])[0] for i in layers]
-        except ModelError as err:
-            raise ConfigError(f"drafter.target_layers: {err}") from None
+        layers = recipe_layers(cfg, target)
         draft_ids = vocabulary.draft_vocab(target, cfg.draft_vocab_size, token_counts)
         size = target.vocab_size if draft_ids is None else len(draft_ids)
         head_cfg = head_config(target, len(layers), cfg.num_layers, size, cfg.ttt_steps)
@@ -211,13 +219,8 @@ class Eagle3Drafter(TrainableDrafter):
         self.model.lm_head.weight.requires_grad_(not config.freeze_lm_head)
 
     def loaded_shape(self, config: Eagle3Config, target) -> dict[str, tuple]:
-        layers = config.target_layers or default_layers(target.num_layers)
-        try:
-            layers = target.resolve_layers(layers)
-        except ModelError as err:
-            raise ConfigError(f"drafter.target_layers: {err}") from None
         return {
-            "target_layers": (layers, list(self.required_target_layers)),
+            "target_layers": (recipe_layers(config, target), list(self.required_target_layers)),
             "num_layers": (config.num_layers, self.model.cfg["num_layers"]),
             "draft_vocab_size": vocab_shape(config, self.draft_ids, target),
         }
