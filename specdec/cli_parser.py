@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fetch", help="download, verify and cache the target and prompt sets")
     f.add_argument("--target", default="smollm2-135m-instruct")
     f.add_argument(
-        "--prompts", default="alpaca_eval,arena_hard,ifeval,writingbench_en,mtbench,humaneval"
+        "--prompts",
+        default="alpaca_eval,arena_hard,ifeval,writingbench_en,healthbench,mtbench,humaneval",
     )
     f.add_argument("--cache-dir")
     f.set_defaults(handler="fetch")

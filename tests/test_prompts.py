@@ -39,8 +39,8 @@ def user_text(row) -> str:
 
 
 def test_packaged_names():
-    names = {"alpaca_eval", "arena_hard", "ifeval", "writingbench_en", "mtbench", "humaneval"}
-    assert set(PACKAGED) == names
+    names = {"alpaca_eval", "arena_hard", "ifeval", "writingbench_en", "healthbench"}
+    assert set(PACKAGED) == names | {"mtbench", "humaneval"}
 
 
 def test_alpaca_eval_keeps_the_reference_answer_as_an_assistant_turn(tmp_path):
@@ -89,6 +89,27 @@ def test_writingbench_without_a_language_field_guesses(tmp_path):
     records = [{"index": "1", "query": "写一篇关于教育的文章"}, {"index": "2", "query": "Hello."}]
     rows = load_fake(tmp_path, "writingbench_en", "pkg/all.jsonl", jsonl(records))
     assert [r["id"] for r in rows] == ["2"]
+
+
+def test_healthbench_keeps_english_chats_whose_first_user_turn_is_the_prompt(tmp_path):
+    chat = [
+        {"role": "user", "content": "My knee hurts after running."},
+        {"role": "assistant", "content": "Since when?"},
+        {"role": "user", "content": "Two days."},
+    ]
+    records = [
+        {"prompt_id": "a", "prompt": chat, "example_tags": ["lang:en", "theme:context_seeking"]},
+        {"prompt_id": "b", "prompt": [{"role": "user", "content": "我头痛，怎么办？"}]},
+        {"prompt_id": "c", "prompt": [{"role": "user", "content": "Is 38.5 C a fever?"}]},
+    ]  # fmt: skip
+    rows = load_fake(tmp_path, "healthbench", "pkg/healthbench_eval.jsonl", jsonl(records))
+    assert [(r["id"], r["category"]) for r in rows] == [
+        ("a", "context_seeking"),
+        ("c", "healthbench"),
+    ]
+    assert rows[0]["messages"] == chat  # the whole chat, for `responses: keep`
+    assert prompt_messages(rows[0]["messages"]) == chat[:1]  # what is regenerated
+    assert user_text(rows[1]) == "Is 38.5 C a fever?"
 
 
 def test_mtbench_first_turn_and_all_turns(tmp_path):
@@ -198,6 +219,7 @@ REAL_COUNTS = {
     "arena_hard": 750,
     "ifeval": 541,
     "writingbench_en": 555,
+    "healthbench": 478,
     "mtbench": 80,
     "humaneval": 164,
 }
@@ -221,15 +243,18 @@ def test_real_pool(name):
         assert user_text(rows[0]).startswith("Complete the following Python function:\n```python")
 
 
-def test_python_functions_are_humaneval_shaped(tmp_path):
-    from specdec.data.prompts import humaneval_message, python_functions
+def test_python_functions_and_methods_are_humaneval_shaped(tmp_path):
+    from specdec.data.stdlib_code import humaneval_message, python_functions, python_methods
 
     doc = '    """Add one.\n\n    Twice documented.\n    """\n'
     body = doc + "    y = x + 1\n    z = y\n    return z\n"
+    method = body.replace("    ", "        ")
     (tmp_path / "mod.py").write_text(
         "import os\n\n\ndef inc(x):\n" + body + "\n\ndef bare(x):\n    y = 1\n    z = 2\n"
         "    w = 3\n    return x\n\n\ndef short(x):\n    'Doc.'\n    return x\n\n\n"
-        "class C:\n    def method(self):\n" + body.replace("    ", "        ")
+        "class C(dict):\n    def method(self, x):\n" + method + "\n    def bare(self):\n"
+        "        y = 1\n        z = 2\n        w = 3\n        return y\n\n\n"
+        "class Wrapped(\n    dict,\n):\n    def method(self, x):\n" + method
     )  # fmt: skip
     (tmp_path / "test").mkdir()
     (tmp_path / "test" / "test_mod.py").write_text("def t(x):\n" + body)
@@ -239,3 +264,9 @@ def test_python_functions_are_humaneval_shaped(tmp_path):
     user, answer = rows[0]["messages"]
     assert user["content"] == humaneval_message("def inc(x):\n" + doc)
     assert answer == {"role": "assistant", "content": "```python\ndef inc(x):\n" + body + "```"}
+    rows = python_methods(tmp_path)
+    assert [r["id"] for r in rows] == ["mod.C.method"]  # undocumented, wrapped class line: out
+    user, answer = rows[0]["messages"]
+    head = "class C(dict):\n    def method(self, x):\n"
+    assert user["content"] == humaneval_message(head + doc.replace("    ", "        "))
+    assert answer == {"role": "assistant", "content": "```python\n" + head + method + "```"}

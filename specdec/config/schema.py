@@ -108,8 +108,9 @@ class PromptSource:
     _shorthand = "source"  # a bare string in YAML means {source: <string>}
 
     source: str = _opt(
-        help="A packaged name (alpaca_eval, arena_hard, ifeval, writingbench_en, mtbench, "
-        "humaneval, python_functions), a local .jsonl/.json/.parquet file, or a hub dataset id."
+        help="A packaged name (alpaca_eval, arena_hard, ifeval, writingbench_en, healthbench, "
+        "mtbench, humaneval, python_functions, python_methods), a local .jsonl/.json/.parquet "
+        "file, or a hub dataset id."
     )
     format: Literal["auto", "openai", "sharegpt", "prompt", "mtbench"] = _opt(
         "auto",

@@ -4,9 +4,10 @@ Every loader returns rows ``{"messages": [...], "category": str, "id": str}`` (M
 also keep ``turns``). The packaged pools ship inside pinned PyPI wheels (see
 :mod:`specdec.assets`): AlpacaEval (Dubois et al. 2023), Arena-Hard v2 (Li et al. 2024),
 IFEval (Zhou et al. 2023), WritingBench (Wu et al. 2025, English queries), MT-bench (Zheng et
-al. 2023) and HumanEval (Chen et al. 2021); ``python_functions`` reads HumanEval-shaped rows from
-the interpreter's own standard library. :func:`split_heldout` keeps evaluation prompts out of
-training data.
+al. 2023), HealthBench (Arora et al. 2025, English chats) and HumanEval (Chen et al. 2021);
+``python_functions`` and ``python_methods`` read HumanEval-shaped rows from the interpreter's
+own standard library (:mod:`specdec.data.stdlib_code`). :func:`split_heldout` keeps
+evaluation prompts out of training data.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import datasets
 from specdec import assets
 from specdec.config import PromptSource
 from specdec.data.chat import prompt_messages, to_messages
+from specdec.data.stdlib_code import GENERATED, humaneval_message
 from specdec.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -123,6 +125,24 @@ def _writingbench_en(records: list[dict]) -> list[dict]:
     ]
 
 
+def _healthbench(records: list[dict]) -> list[dict]:
+    # physicians' chats, one to eight user turns; regeneration answers the first user turn
+    # (the context before the first assistant turn), the rest stays for `responses: keep`
+    english = [r for r in records if _is_english({"query": r["prompt"][0]["content"]})]
+    logger.info("healthbench: %d English chats of %d", len(english), len(records))
+    return [
+        {
+            "messages": [{"role": m["role"], "content": m["content"]} for m in r["prompt"]],
+            "category": next(
+                (t.split(":", 1)[1] for t in r.get("example_tags", []) if t.startswith("theme:")),
+                "healthbench",
+            ),
+            "id": str(r.get("prompt_id", i)),
+        }
+        for i, r in enumerate(english)
+    ]
+
+
 def _mtbench(records: list[dict]) -> list[dict]:
     return [
         {
@@ -135,12 +155,6 @@ def _mtbench(records: list[dict]) -> list[dict]:
     ]
 
 
-def humaneval_message(stub: str) -> str:
-    """How a chat target sees a HumanEval stub: an instruction around a fenced code block."""
-    stub = stub if stub.endswith("\n") else stub + "\n"
-    return f"Complete the following Python function:\n```python\n{stub}```"
-
-
 def _humaneval(records: list[dict]) -> list[dict]:
     return [
         {
@@ -150,51 +164,6 @@ def _humaneval(records: list[dict]) -> list[dict]:
         }
         for i, r in enumerate(records)
     ]
-
-
-def python_functions(root: str | os.PathLike | None = None) -> list[dict]:
-    """HumanEval-shaped rows from the running interpreter's standard library (no download).
-
-    Every top-level function with a docstring and 4 to 40 lines (tests and demos excluded)
-    becomes a row: the prompt is its signature and docstring wrapped as HumanEval stubs are
-    (:func:`humaneval_message`), the assistant turn the whole function in a fenced block. Rows
-    are ordered by a hash of their id, so any first N of them spread over the library.
-    """
-    import ast
-    import hashlib
-    import sysconfig
-
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo"}
-    rows = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in skip or part.startswith("test") for part in rel.parts):
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-            continue
-        lines = source.splitlines(keepends=True)
-        module = ".".join(rel.with_suffix("").parts)
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or not ast.get_docstring(node):
-                continue
-            if not 4 <= node.end_lineno - node.lineno <= 40:
-                continue
-            function = "".join(lines[node.lineno - 1 : node.end_lineno])
-            stub = "".join(lines[node.lineno - 1 : node.body[0].end_lineno])
-            rows.append(
-                {
-                    "messages": _user(humaneval_message(stub))
-                    + [{"role": "assistant", "content": f"```python\n{function}```"}],
-                    "category": "python",
-                    "id": f"{module}.{node.name}",
-                }
-            )
-    rows.sort(key=lambda r: hashlib.sha1(r["id"].encode()).hexdigest())
-    return rows
 
 
 @dataclass(frozen=True)
@@ -226,6 +195,7 @@ PACKAGED: dict[str, PromptPool] = {
         PromptPool("arena_hard", assets.ARENA_HARD, _arena_hard),
         PromptPool("ifeval", assets.IFEVAL, _ifeval),
         PromptPool("writingbench_en", assets.WRITINGBENCH, _writingbench_en),
+        PromptPool("healthbench", assets.HEALTHBENCH, _healthbench),
         PromptPool("mtbench", assets.MT_BENCH, _mtbench),
         PromptPool("humaneval", assets.HUMAN_EVAL, _humaneval),
     )
@@ -310,10 +280,10 @@ def load_prompt_rows(
     Raises:
         DataError: a missing file, a malformed row (named), or no usable row.
     """
-    if category_key and (source in PACKAGED or source == "python_functions"):
+    if category_key and (source in PACKAGED or source in GENERATED):
         raise DataError(f"{source}: a packaged prompt set; its rows have their own category")
-    if source in PACKAGED or source == "python_functions":
-        rows = python_functions() if source == "python_functions" else PACKAGED[source].load(cache)
+    if source in PACKAGED or source in GENERATED:
+        rows = GENERATED[source]() if source in GENERATED else PACKAGED[source].load(cache)
         return rows[:limit] if limit is not None else rows
     if _is_local(source):
         path = Path(source).expanduser()
