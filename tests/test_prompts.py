@@ -252,7 +252,8 @@ def test_python_functions_and_methods_are_humaneval_shaped(tmp_path):
     (tmp_path / "mod.py").write_text(
         "import os\n\n\ndef inc(x):\n" + body + "\n\ndef bare(x):\n    y = 1\n    z = 2\n"
         "    w = 3\n    return x\n\n\ndef short(x):\n    'Doc.'\n    return x\n\n\n"
-        "class C(dict):\n    def method(self, x):\n" + method + "\n    def bare(self):\n"
+        "class C(dict):\n    def method(self, x):\n" + method + "\n    @method.setter\n"
+        "    def method(self, x):\n" + method + "\n    def bare(self):\n"
         "        y = 1\n        z = 2\n        w = 3\n        return y\n\n\n"
         "class Wrapped(\n    dict,\n):\n    def method(self, x):\n" + method
     )  # fmt: skip
@@ -265,7 +266,8 @@ def test_python_functions_and_methods_are_humaneval_shaped(tmp_path):
     assert user["content"] == humaneval_message("def inc(x):\n" + doc)
     assert answer == {"role": "assistant", "content": "```python\ndef inc(x):\n" + body + "```"}
     rows = python_methods(tmp_path)
-    assert [r["id"] for r in rows] == ["mod.C.method"]  # undocumented, wrapped class line: out
+    # undocumented, a wrapped class line, a second `method` (a property's setter): out
+    assert [r["id"] for r in rows] == ["mod.C.method"]
     user, answer = rows[0]["messages"]
     head = "class C(dict):\n    def method(self, x):\n"
     assert user["content"] == humaneval_message(head + doc.replace("    ", "        "))

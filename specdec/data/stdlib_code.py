@@ -83,7 +83,8 @@ def python_functions(root: str | os.PathLike | None = None) -> list[dict]:
 def python_methods(root: str | os.PathLike | None = None) -> list[dict]:
     """As :func:`python_functions`, for the methods of module-level classes: the stub is the
     ``class`` line, then the method's signature and docstring; the answer the ``class`` line
-    and the whole method. Only classes whose line is one line long (no wrapped bases)."""
+    and the whole method. Only classes whose line is one line long (no wrapped bases); of two
+    methods with one name (a property and its setter), the first."""
     rows = []
     for module, tree, lines in _modules(_root(root)):
         for cls in tree.body:
@@ -92,8 +93,11 @@ def python_methods(root: str | os.PathLike | None = None) -> list[dict]:
             header = lines[cls.lineno - 1]
             if not header.rstrip().endswith(":"):
                 continue
+            seen = set()  # a property's setter has its getter's name: the getter stays
             for node in _documented(cls.body):
-                rows.append(_row(f"{module}.{cls.name}.{node.name}", header, lines, node))
+                if node.name not in seen:
+                    seen.add(node.name)
+                    rows.append(_row(f"{module}.{cls.name}.{node.name}", header, lines, node))
     return _shuffled(rows)
 
 
