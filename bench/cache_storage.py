@@ -23,7 +23,8 @@ import torch
 from specdec import drafters
 from specdec.config import load_recipe
 from specdec.data.build import load_training_data
-from specdec.data.cache import TeacherCache, build_cache, fingerprint
+from specdec.data.cache import build_cache, fingerprint
+from specdec.data.cache_read import TeacherCache
 from specdec.target import FrozenTarget
 
 CHOICES = [

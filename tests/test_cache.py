@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from test_training import setup
 
 from specdec.data import cache as cache_mod
-from specdec.data.cache import TeacherCache, build_cache, fingerprint
+from specdec.data.cache import build_cache, fingerprint
+from specdec.data.cache_read import TeacherCache
 from specdec.errors import DataError
 from specdec.sparse_teacher import SparseTeacher
 from specdec.target import FrozenTarget
@@ -506,3 +507,47 @@ def test_cache_command_teaches_the_positions_training_does(files, tmp_path):
     train(load_recipe(recipe, [*sets, "train.max_steps=1", "train.save_every=1"]))
     assert json.loads((cache / "manifest.json").read_text()) == built
     assert {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")} == shards
+
+
+def assert_same_shards(a: Path, b: Path) -> None:
+    left, right = shards(a), shards(b)
+    assert left.keys() == right.keys()
+    for name, tensors in left.items():
+        assert tensors.keys() == right[name].keys()
+        for key, value in tensors.items():
+            assert torch.equal(value, right[name][key]), (name, key)
+
+
+def test_a_cache_grows_with_the_rows_appended_to_its_data(target, tmp_path, monkeypatch):
+    make(target, rows(n=7), tmp_path / "c", top_k=8)  # 3 rows a shard: the third holds 1
+    make(target, rows(n=11), tmp_path / "whole", top_k=8)  # rows(11) begins with rows(7)
+    encoded = []
+    real_encode = cache_mod.encode_rows
+
+    def encode(t, d, r, *a):
+        encoded.append(r)
+        if len(encoded) == 1 and interrupt:
+            raise KeyboardInterrupt  # killed growing, before the third shard is rewritten
+        return real_encode(t, d, r, *a)
+
+    monkeypatch.setattr(cache_mod, "encode_rows", encode)
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        make(target, rows(n=11), tmp_path / "c", top_k=8)
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert (manifest["fingerprint"]["rows"], manifest["complete"]) == (11, False)
+    assert load_file(tmp_path / "c" / "shard-00002.safetensors")["row_offsets"].numel() == 2
+
+    interrupt, encoded[:] = False, []
+    make(target, rows(n=11), tmp_path / "c", top_k=8)
+    assert encoded == [range(6, 9), range(9, 11)]  # two whole shards kept, the short one redone
+    assert_same_shards(tmp_path / "c", tmp_path / "whole")
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest == json.loads((tmp_path / "whole" / "manifest.json").read_text())
+
+    for changed in (rows(n=12, seed=1), rows(n=9), rows(n=13, vocab=100)):
+        with pytest.raises(DataError, match="another data_sha256"):  # not the cached rows first
+            make(target, changed, tmp_path / "c", top_k=8)
+    with pytest.raises(DataError, match="a teacher cache of another"):  # more rows, and top-k
+        make(target, rows(n=13), tmp_path / "c", top_k=16)
+    assert_same_shards(tmp_path / "c", tmp_path / "whole")

@@ -19,8 +19,9 @@ from test_cache import (  # noqa: F401
     target,
 )
 
-from specdec.data.cache import TeacherCache, fingerprint
+from specdec.data.cache import fingerprint
 from specdec.data.cache_derive import derive_cache
+from specdec.data.cache_read import TeacherCache
 from specdec.errors import DataError
 
 

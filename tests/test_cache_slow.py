@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec.data.cache import TeacherCache, build_cache, fingerprint
+from specdec.data.cache import build_cache, fingerprint
+from specdec.data.cache_read import TeacherCache
 from specdec.data.chat import build_sft_dataset
 from specdec.target import FrozenTarget
 

@@ -157,7 +157,7 @@ def build_teacher_cache(recipe: Recipe, target, dataset, fp: dict, progress: boo
 def open_teacher_cache(recipe: Recipe, fp: dict, draft_ids=None):
     """The recipe's complete teacher cache, checked against ``fp``; its batches are over the
     drafter's vocabulary ``draft_ids``."""
-    from specdec.data.cache import TeacherCache
+    from specdec.data.cache_read import TeacherCache
 
     return TeacherCache(cache_dir(recipe), fp, draft_ids)
 

@@ -8,8 +8,8 @@ What a row stores:
   ``Drafter.teacher``); over the full vocabulary (``top_k: 0``) or as the top k with their
   ids and the log of the remaining mass.
 
-Read back (:meth:`TeacherCache.batch`), a full row is the stored distribution; a top-k row is
-the target's distribution on its k most likely tokens with the remaining mass spread evenly
+Read back (:mod:`specdec.data.cache_read`), a full row is the stored distribution; a top-k row
+is the target's distribution on its k most likely tokens with the remaining mass spread evenly
 over the other V - k. Its top token is the target's (no tail token can exceed the k-th), and
 it stays a distribution, so every loss and acceptance measure is computable; what it loses is
 the shape of the tail (measured: ``tests/test_cache.py``, README). Positions without a stored
@@ -31,6 +31,7 @@ Layout of a cache directory::
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -44,7 +45,6 @@ from tqdm.auto import tqdm
 
 from specdec.data.shards import MANIFEST, locked, read_manifest, write_atomic
 from specdec.errors import DataError
-from specdec.sparse_teacher import SparseTeacher
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,6 @@ def fingerprint(target, target_cfg, dataset, layers, cfg) -> dict:
     config.pop("transformers_version", None)
     with torch.no_grad():
         checksum = sum(float(p.sum(dtype=torch.float64)) for p in target.model.parameters())
-    data = hashlib.sha256()
-    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True):
-        data.update(json.dumps([ids, mask]).encode())
     return {
         "target": {
             "dtype": target_cfg.dtype,
@@ -74,7 +71,7 @@ def fingerprint(target, target_cfg, dataset, layers, cfg) -> dict:
             ).hexdigest(),
             "weight_sum": f"{checksum:.8g}",
         },
-        "data_sha256": data.hexdigest(),
+        "data_sha256": data_sha256(dataset),
         "rows": len(dataset),
         "layers": [int(i) for i in layers],
         "top_k": int(cfg.top_k),
@@ -83,6 +80,50 @@ def fingerprint(target, target_cfg, dataset, layers, cfg) -> dict:
         "hidden_size": int(target.model.config.hidden_size),
         "shard_rows": int(cfg.shard_rows),
     }
+
+
+def data_sha256(dataset, rows: int | None = None) -> str:
+    """sha256 of the first ``rows`` (None: all) tokenized rows of ``dataset``, in order: a
+    cache's ``data_sha256`` also names the first rows of any dataset grown from its own."""
+    data = hashlib.sha256()
+    pairs = zip(dataset["input_ids"], dataset["loss_mask"], strict=True)
+    for ids, mask in itertools.islice(pairs, rows):
+        data.update(json.dumps([ids, mask]).encode())
+    return data.hexdigest()
+
+
+def grown(manifest: dict, fp: dict, dataset) -> dict | None:
+    """The fingerprint of the cache ``manifest`` grown to ``dataset`` (``fp``), when
+    ``dataset`` is the cached rows with more after them and all else is unchanged (prompt
+    sources added to a regeneration append their rows); None otherwise."""
+    old = manifest.get("fingerprint", {})
+    n = old.get("rows")
+    if not isinstance(n, int) or not 0 < n < fp["rows"]:
+        return None
+    try:
+        rest = {k: v for k, v in fp.items() if k not in ("data_sha256", "rows")}
+        check_fingerprint(Path(), manifest, rest)
+    except DataError:
+        return None
+    if data_sha256(dataset, n) != old.get("data_sha256"):
+        return None
+    return old | {"data_sha256": fp["data_sha256"], "rows": fp["rows"]}
+
+
+def shards_to_do(out: Path, rows: int, size: int) -> list[int]:
+    """The shards of a cache of ``rows`` rows not in ``out`` whole: missing, unreadable, or
+    holding other than their rows (the last shard of a cache since grown)."""
+    todo = []
+    for j in range(math.ceil(rows / size)):
+        want = min(rows, (j + 1) * size) - j * size
+        try:
+            with safe_open(str(out / shard_name(j)), framework="pt") as shard:
+                held = shard.get_slice("row_offsets").get_shape()[0] - 1
+        except Exception:  # missing, or a foreign or truncated file: written again
+            held = None
+        if held != want:
+            todo.append(j)
+    return todo
 
 
 def teacher_positions(loss_mask: list[int]) -> list[int]:
@@ -173,10 +214,10 @@ def build_cache(
 
 def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, recipe) -> dict:
     made_by = None if recipe is None else provenance(recipe, target.tokenizer)
-    manifest = begin(out, fp, recipe, made_by)
+    manifest = begin(out, fp, recipe, made_by, dataset)
     fp = manifest["fingerprint"]  # the layers it holds, when more than asked for
     n, size = len(dataset), fp["shard_rows"]
-    todo = [j for j in range(math.ceil(n / size)) if not (out / shard_name(j)).exists()]
+    todo = shards_to_do(out, n, size)
     rows = sum(min(n, (j + 1) * size) - j * size for j in todo)
     estimate = estimate_bytes(dataset, fp)
     logger.info(
@@ -196,11 +237,20 @@ def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, reci
     return finish(out, manifest, math.ceil(n / size), tokens, taught)
 
 
-def begin(out: Path, fp: dict, recipe: str | None, made_by: dict | None) -> dict:
+def begin(out: Path, fp: dict, recipe: str | None, made_by: dict | None, dataset=None) -> dict:
     """The manifest of the cache ``fp`` in ``out``, marked incomplete until :func:`finish`: the
-    one there (checked against ``fp``), or a new one with ``made_by`` beside a copy of
-    ``recipe``. Shards a killed run left under their temporary names are cleared."""
+    one there (checked against ``fp``; grown when ``dataset`` extends its rows, see
+    :func:`grown`), or a new one with ``made_by`` beside a copy of ``recipe``. Shards a killed
+    run left under their temporary names are cleared."""
     manifest = read_manifest(out, FORMAT)
+    bigger = None if manifest is None or dataset is None else grown(manifest, fp, dataset)
+    if bigger is not None:
+        logger.info(
+            "teacher cache %s: the data grew from %d to %d rows, the first %d as cached: "
+            "the cache grows", out, manifest["fingerprint"]["rows"], fp["rows"],
+            manifest["fingerprint"]["rows"],
+        )  # fmt: skip
+        manifest["fingerprint"] = bigger
     if manifest is None:
         if any(out.glob("shard-*")):
             raise DataError(f"{out} has shards but no {MANIFEST}; use an empty directory")
@@ -310,113 +360,3 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 
 def named(name: str, packed: dict) -> dict:
     return {name + suffix: t for suffix, t in packed.items()}
-
-
-class TeacherCache:
-    """A complete cache, read row by row from memory-mapped shards.
-
-    Args:
-        out: the cache directory.
-        fp: the fingerprint it must have been made for.
-        draft_ids: ``[D]`` the drafter's vocabulary as target ids, for :meth:`batch` (None:
-            the target's vocabulary).
-    """
-
-    def __init__(self, out: Path, fp: dict, draft_ids: torch.Tensor | None = None):
-        manifest = read_manifest(out, FORMAT)
-        if manifest is None or not manifest.get("complete"):
-            raise DataError(f"data.cache.dir: {out} holds no complete teacher cache")
-        check_fingerprint(out, manifest, fp)
-        self.fp, self.out, self.draft_ids = manifest["fingerprint"], out, draft_ids
-        self.layers = [self.fp["layers"].index(h) for h in fp["layers"]]  # those asked for
-        self.shards, self.offsets = [], []
-        for j in range(manifest["shards"]):
-            try:
-                handle = safe_open(str(out / shard_name(j)), framework="pt")
-                offsets = (handle.get_tensor("row_offsets"), handle.get_tensor("teacher_offsets"))
-            except Exception as err:  # a truncated or foreign file: one line, not a traceback
-                path = out / shard_name(j)
-                raise DataError(f"{path}: unreadable teacher shard ({err})") from None
-            self.shards.append(handle)
-            self.offsets.append(offsets)
-
-    def row(self, index: int) -> dict:
-        """Row ``index``: ``input_ids`` [n], ``features`` [n, L, H] of the layers asked for
-        (if any), the teacher's ``positions`` [m] and their log-probabilities ``log_p``
-        [m, V] (top-k rows filled)."""
-        out, (values, ids, fill) = self._read(index)
-        if ids is not None:
-            values = SparseTeacher(values, ids, fill, self.fp["vocab_size"]).dense()
-        out["log_p"] = values
-        return out
-
-    def _read(self, index: int) -> tuple[dict, tuple]:
-        """Row ``index`` as stored: its tokens, positions and features, and the teacher as
-        ``(values [m, k or V], ids [m, k] or None, tail log-probability [m] or None)``."""
-        j, r = divmod(index, self.fp["shard_rows"])
-        shard, (rows, taught) = self.shards[j], self.offsets[j]
-        a, b = int(rows[r]), int(rows[r + 1])
-        c, d = int(taught[r]), int(taught[r + 1])
-        out = {
-            "input_ids": shard.get_slice("input_ids")[a:b].long(),
-            "positions": shard.get_slice("teacher_pos")[c:d].long(),
-        }
-        if self.layers:
-            features = shard.get_slice("features")[a:b]
-            out["features"] = unpack(features, self._scale(shard, "features", a, b))[:, self.layers]
-        values = unpack(shard.get_slice("logp")[c:d], self._scale(shard, "logp", c, d))
-        k, vocab = self.fp["top_k"], self.fp["vocab_size"]
-        if not k:
-            return out, (values, None, None)
-        rest = shard.get_slice("rest")[c:d]
-        fill = rest - math.log(vocab - k) if k < vocab else torch.full_like(rest, -math.inf)
-        return out, (values, shard.get_slice("ids")[c:d].long(), fill)
-
-    def _scale(self, shard, name: str, a: int, b: int) -> torch.Tensor | None:
-        return shard.get_slice(name + "_scale")[a:b] if self.fp["dtype"] == "fp8" else None
-
-    def batch(self, indices: list[int], width: int, input_ids: torch.Tensor) -> dict:
-        """The teacher of a micro-batch padded to ``width``, over the drafter's vocabulary, at
-        the N positions ``teacher_rows`` [B, width] sets (those whose next token is an
-        answer's), in their row-major order: ``teacher_log_probs`` [N, D] (what
-        ``Drafter.teacher`` computes from the target's logits, built without them; a
-        :class:`SparseTeacher` of them from a top-k cache),
-        ``teacher_best`` [N] (the target's top token as a draft index, -1: outside the draft
-        vocabulary); and ``features`` [L, B, width, H] when the drafter reads layers.
-
-        Raises:
-            DataError: a row's tokens differ from the training data's (a cache of other data).
-        """
-        vocab = self.fp["vocab_size"]
-        draft = torch.arange(vocab) if self.draft_ids is None else self.draft_ids.cpu().long()
-        index = torch.full((vocab,), -1, dtype=torch.long)
-        index[draft] = torch.arange(len(draft))
-        taught = torch.zeros(len(indices), width, dtype=torch.bool)
-        log_p, best, cols, fills = [], [], [], []
-        layers, hidden = len(self.layers), self.fp["hidden_size"]
-        features = torch.zeros(layers, len(indices), width, hidden) if layers else None
-        for b, i in enumerate(indices):
-            row, (values, ids, fill) = self._read(i)
-            n, where = len(row["input_ids"]), row["positions"]
-            if not torch.equal(row["input_ids"], input_ids[b, :n].cpu()):
-                raise DataError(f"{self.out}: row {i} holds other tokens than the training data")
-            taught[b, where] = True  # positions ascend: row-major order
-            if ids is None:  # the full vocabulary
-                best.append(index[values.argmax(-1)])
-                log_p.append(values[:, draft])
-            else:  # the top k (best first) as draft indices, the rest spread evenly
-                best.append(index[ids[:, 0]])
-                col = index[ids]
-                log_p.append(torch.where(col >= 0, values, -math.inf))
-                cols.append(col.clamp_min(0))
-                fills.append(fill)
-            if features is not None:
-                features[:, b, :n] = row["features"].transpose(0, 1)
-        teacher = torch.cat(log_p)
-        if cols:  # kept sparse: no [N, D] tensor is built for the losses that read it so
-            teacher = SparseTeacher(teacher, torch.cat(cols), torch.cat(fills), len(draft))
-        out = {"teacher_log_probs": teacher, "teacher_best": torch.cat(best)}
-        out["teacher_rows"] = taught
-        if features is not None:
-            out["features"] = features
-        return out
