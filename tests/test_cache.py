@@ -5,6 +5,7 @@ duplicates, refusing caches of something else, and training from it equal to tra
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import signal
@@ -492,8 +493,8 @@ def test_cache_command_builds_resumes_and_refuses_in_one_line(files, tmp_path, c
 
 
 def test_cache_command_teaches_the_positions_training_does(files, tmp_path):
-    """Under ``data.loss_on: all`` the command widens the same rows' masks as training (the
-    held-out rows keep theirs), so training reads the command's cache as it is."""
+    """Under ``data.loss_on: all`` the command widens the rows' masks as training does (every
+    row's, the held-out ones' too), so training reads the command's cache as it is."""
     from specdec.cli import main
     from specdec.config import load_recipe
     from specdec.training.loop import train
@@ -551,3 +552,45 @@ def test_a_cache_grows_with_the_rows_appended_to_its_data(target, tmp_path, monk
     with pytest.raises(DataError, match="a teacher cache of another"):  # more rows, and top-k
         make(target, rows(n=13), tmp_path / "c", top_k=16)
     assert_same_shards(tmp_path / "c", tmp_path / "whole")
+
+
+def test_adding_a_prompt_source_grows_the_cache_training_reads(files, tmp_path, caplog):
+    """``data.loss_on: all`` (the held-out rows are drawn anew from grown data): the cache of 7
+    rows keeps its two whole shards when 2 rows are appended, equals a cache built from
+    scratch for the 9, and training reads it."""
+    from specdec.cli import main
+    from specdec.config import load_recipe
+    from specdec.training.loop import train
+
+    questions = [json.loads(x) for x in (files / "train.jsonl").read_text().splitlines()]
+    first, more = tmp_path / "first.jsonl", tmp_path / "more.jsonl"
+    first.write_text("".join(json.dumps(q) + "\n" for q in questions[:7]))
+    more.write_text("".join(json.dumps(q) + "\n" for q in questions[7:9]))
+    recipe = str(ROOT / "recipes" / "debug" / "tiny_eagle3.yaml")
+    sets = [*command_sets(files, tmp_path), "data.loss_on=all", "data.teacher=cache"]
+    sets += ["data.max_prompts=null", f"data.dataset_dir={tmp_path / 'data'}"]
+    command = ["data", "cache", "--config", recipe, "--set"]
+    assert main([*command, *sets, f"data.prompts=[{first}]"]) == 0
+    cache = tmp_path / "run" / "teacher-cache"
+    assert json.loads((cache / "manifest.json").read_text())["fingerprint"]["rows"] == 7
+    kept = {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")}
+
+    grown = [*sets, f"data.prompts=[{first},{more}]"]
+    with caplog.at_level(logging.INFO, logger="specdec.data.cache"):
+        assert main([*command, *grown]) == 0
+    assert "the data grew from 7 to 9 rows" in caplog.text
+    now = {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")}
+    assert [name for name in kept if now[name] == kept[name]] == [
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]  # the third, 1 row then, is written again with its 3
+    fresh = [*grown, f"run.output_dir={tmp_path / 'fresh'}"]
+    assert main([*command, *fresh]) == 0
+    assert_same_shards(cache, tmp_path / "fresh" / "teacher-cache")
+    built = json.loads((cache / "manifest.json").read_text())
+    scratch = json.loads((tmp_path / "fresh" / "teacher-cache" / "manifest.json").read_text())
+    assert built.pop("made_by") != scratch.pop("made_by")  # who started each: another recipe
+    assert built == scratch
+    built = json.loads((cache / "manifest.json").read_text())
+    train(load_recipe(recipe, [*grown, "train.max_steps=1", "train.save_every=1"]))
+    assert json.loads((cache / "manifest.json").read_text()) == built  # read as it is

@@ -62,14 +62,17 @@ def gather_prompts(sources: list[PromptSource], cache_dir: str | None) -> list[d
 
 def training_prompts(recipe: Recipe) -> tuple[list[dict], int]:
     """The recipe's training prompts, held-out evaluation prompts removed, sampled with the
-    run's seed down to ``data.max_prompts``. Returns the rows and how many were removed."""
+    run's seed down to ``data.max_prompts``, in the sources' order (so a source added at the
+    end appends its rows: the regenerated data and the teacher cache grow rather than start
+    again). Returns the rows and how many were removed."""
     cache = recipe.target.cache_dir
     train = gather_prompts(recipe.data.prompts, cache)
     heldout = gather_prompts(recipe.eval.prompts, cache)
     kept = split_heldout(train, heldout)
     removed = len(train) - len(kept)
-    random.Random(recipe.run.seed).shuffle(kept)
-    kept = kept[: recipe.data.max_prompts]
+    order = list(range(len(kept)))
+    random.Random(recipe.run.seed).shuffle(order)
+    kept = [kept[i] for i in sorted(order[: recipe.data.max_prompts])]
     if not kept:
         raise DataError("data.prompts: no training prompts left after removing held-out ones")
     return kept, removed
@@ -240,6 +243,14 @@ def taught_rows(recipe: Recipe, dataset: Dataset, train_rows: torch.Tensor) -> D
     return dataset.map(widen, with_indices=True, desc="data.loss_on: all")
 
 
+def cached_rows(recipe: Recipe, dataset: Dataset) -> Dataset:
+    """The rows the teacher cache holds: every row as :func:`taught_rows` teaches it were none
+    held out, so the cache does not depend on the held-out split (which a grown dataset draws
+    anew, see :func:`split_rows`) and grows with the data; a held-out row reads the part of
+    its cached teacher its own mask asks for."""
+    return taught_rows(recipe, dataset, torch.arange(len(dataset)))
+
+
 def regenerate_from_recipe(path: str, overrides: list[str]) -> DataReport:
     """``specdec data regenerate``: load the recipe and target, build the data, report."""
     from specdec.target import FrozenTarget
@@ -268,9 +279,7 @@ def cache_from_recipe(path: str, overrides: list[str], source: str | None = None
     build_data(recipe, target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
     layers = drafters.for_recipe(recipe.drafter, target, dataset).required_target_layers
-    dataset = taught_rows(
-        recipe, dataset, split_rows(dataset, recipe.data.heldout_rows, recipe.run.seed)[0]
-    )
+    dataset = cached_rows(recipe, dataset)
     start = time.perf_counter()
     fp = cache_fingerprint(recipe, target, dataset, layers)
     if source is None:

@@ -125,6 +125,7 @@ def setup(recipe: Recipe) -> Run:
         build_data,
         build_teacher_cache,
         cache_fingerprint,
+        cached_rows,
         load_training_data,
         open_teacher_cache,
     )
@@ -169,14 +170,15 @@ def setup(recipe: Recipe) -> Run:
     # the draft vocabulary is chosen from the rows trained on, not the held-out ones
     trained_on = dataset.select(train_rows.tolist())
     drafter = drafters.for_recipe(recipe.drafter, target, trained_on)
-    dataset = taught_rows(recipe, dataset, train_rows)
     cache = None
     if recipe.data.teacher == "cache":
-        fp = cache_fingerprint(recipe, target, dataset, drafter.required_target_layers)
+        cached = cached_rows(recipe, dataset)
+        fp = cache_fingerprint(recipe, target, cached, drafter.required_target_layers)
         if accelerator.is_main_process:
-            build_teacher_cache(recipe, target, dataset, fp)
+            build_teacher_cache(recipe, target, cached, fp)
         accelerator.wait_for_everyone()
         cache = open_teacher_cache(recipe, fp, drafter.teacher_vocab)
+    dataset = taught_rows(recipe, dataset, train_rows)
     replica = None
     if fsdp:  # the replica is built without touching the random state the run goes on with
         with torch.random.fork_rng(devices=[] if accelerator.device.type == "cpu" else None):
