@@ -52,7 +52,9 @@ def main() -> None:
     target = FrozenTarget.from_config(recipe.target)
     dataset, _ = load_training_data(recipe, target.tokenizer)
     layers = drafters.for_recipe(recipe.drafter, target, dataset).required_target_layers
-    dataset = dataset.select(range(min(args.rows, len(dataset))))
+    # a sample over the recipe's sources (its rows come source after source)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(recipe.run.seed))
+    dataset = dataset.select(sorted(order[: args.rows].tolist()))
     caches = {}
     with tempfile.TemporaryDirectory() as tmp:
         for top_k, dtype in CHOICES:

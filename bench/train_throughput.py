@@ -30,6 +30,7 @@ from specdec.config import load_recipe
 from specdec.data.build import (
     build_teacher_cache,
     cache_fingerprint,
+    cached_rows,
     load_training_data,
     open_teacher_cache,
     split_rows,
@@ -69,11 +70,12 @@ def main() -> None:
     torch.manual_seed(recipe.run.seed)
     drafter = drafters.for_recipe(recipe.drafter, target, dataset)
     layers = drafter.required_target_layers
+    cached = cached_rows(recipe, dataset)  # what training caches
+    fp = cache_fingerprint(recipe, target, cached, layers)
+    build_teacher_cache(recipe, target, cached, fp)  # nothing to do when it is there
+    cache = open_teacher_cache(recipe, fp, drafter.teacher_vocab)
     train_rows = split_rows(dataset, recipe.data.heldout_rows, recipe.run.seed)[0]
     dataset = taught_rows(recipe, dataset, train_rows)  # data.loss_on, as training marks it
-    fp = cache_fingerprint(recipe, target, dataset, layers)
-    build_teacher_cache(recipe, target, dataset, fp)  # nothing to do when it is there
-    cache = open_teacher_cache(recipe, fp, drafter.teacher_vocab)
     model = drafter.module.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(trained, 1e-5, 0.0, target.device)  # the training loop's

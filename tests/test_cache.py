@@ -5,7 +5,6 @@ duplicates, refusing caches of something else, and training from it equal to tra
 import fcntl
 import hashlib
 import json
-import logging
 import math
 import os
 import signal
@@ -508,89 +507,3 @@ def test_cache_command_teaches_the_positions_training_does(files, tmp_path):
     train(load_recipe(recipe, [*sets, "train.max_steps=1", "train.save_every=1"]))
     assert json.loads((cache / "manifest.json").read_text()) == built
     assert {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")} == shards
-
-
-def assert_same_shards(a: Path, b: Path) -> None:
-    left, right = shards(a), shards(b)
-    assert left.keys() == right.keys()
-    for name, tensors in left.items():
-        assert tensors.keys() == right[name].keys()
-        for key, value in tensors.items():
-            assert torch.equal(value, right[name][key]), (name, key)
-
-
-def test_a_cache_grows_with_the_rows_appended_to_its_data(target, tmp_path, monkeypatch):
-    make(target, rows(n=7), tmp_path / "c", top_k=8)  # 3 rows a shard: the third holds 1
-    make(target, rows(n=11), tmp_path / "whole", top_k=8)  # rows(11) begins with rows(7)
-    encoded = []
-    real_encode = cache_mod.encode_rows
-
-    def encode(t, d, r, *a):
-        encoded.append(r)
-        if len(encoded) == 1 and interrupt:
-            raise KeyboardInterrupt  # killed growing, before the third shard is rewritten
-        return real_encode(t, d, r, *a)
-
-    monkeypatch.setattr(cache_mod, "encode_rows", encode)
-    interrupt = True
-    with pytest.raises(KeyboardInterrupt):
-        make(target, rows(n=11), tmp_path / "c", top_k=8)
-    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    assert (manifest["fingerprint"]["rows"], manifest["complete"]) == (11, False)
-    assert load_file(tmp_path / "c" / "shard-00002.safetensors")["row_offsets"].numel() == 2
-
-    interrupt, encoded[:] = False, []
-    make(target, rows(n=11), tmp_path / "c", top_k=8)
-    assert encoded == [range(6, 9), range(9, 11)]  # two whole shards kept, the short one redone
-    assert_same_shards(tmp_path / "c", tmp_path / "whole")
-    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    assert manifest == json.loads((tmp_path / "whole" / "manifest.json").read_text())
-
-    for changed in (rows(n=12, seed=1), rows(n=9), rows(n=13, vocab=100)):
-        with pytest.raises(DataError, match="another data_sha256"):  # not the cached rows first
-            make(target, changed, tmp_path / "c", top_k=8)
-    with pytest.raises(DataError, match="a teacher cache of another"):  # more rows, and top-k
-        make(target, rows(n=13), tmp_path / "c", top_k=16)
-    assert_same_shards(tmp_path / "c", tmp_path / "whole")
-
-
-def test_adding_a_prompt_source_grows_the_cache_training_reads(files, tmp_path, caplog):
-    """``data.loss_on: all`` (the held-out rows are drawn anew from grown data): the cache of 7
-    rows keeps its two whole shards when 2 rows are appended, equals a cache built from
-    scratch for the 9, and training reads it."""
-    from specdec.cli import main
-    from specdec.config import load_recipe
-    from specdec.training.loop import train
-
-    questions = [json.loads(x) for x in (files / "train.jsonl").read_text().splitlines()]
-    first, more = tmp_path / "first.jsonl", tmp_path / "more.jsonl"
-    first.write_text("".join(json.dumps(q) + "\n" for q in questions[:7]))
-    more.write_text("".join(json.dumps(q) + "\n" for q in questions[7:9]))
-    recipe = str(ROOT / "recipes" / "debug" / "tiny_eagle3.yaml")
-    sets = [*command_sets(files, tmp_path), "data.loss_on=all", "data.teacher=cache"]
-    sets += ["data.max_prompts=null", f"data.dataset_dir={tmp_path / 'data'}"]
-    command = ["data", "cache", "--config", recipe, "--set"]
-    assert main([*command, *sets, f"data.prompts=[{first}]"]) == 0
-    cache = tmp_path / "run" / "teacher-cache"
-    assert json.loads((cache / "manifest.json").read_text())["fingerprint"]["rows"] == 7
-    kept = {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")}
-
-    grown = [*sets, f"data.prompts=[{first},{more}]"]
-    with caplog.at_level(logging.INFO, logger="specdec.data.cache"):
-        assert main([*command, *grown]) == 0
-    assert "the data grew from 7 to 9 rows" in caplog.text
-    now = {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")}
-    assert [name for name in kept if now[name] == kept[name]] == [
-        "shard-00000.safetensors",
-        "shard-00001.safetensors",
-    ]  # the third, 1 row then, is written again with its 3
-    fresh = [*grown, f"run.output_dir={tmp_path / 'fresh'}"]
-    assert main([*command, *fresh]) == 0
-    assert_same_shards(cache, tmp_path / "fresh" / "teacher-cache")
-    built = json.loads((cache / "manifest.json").read_text())
-    scratch = json.loads((tmp_path / "fresh" / "teacher-cache" / "manifest.json").read_text())
-    assert built.pop("made_by") != scratch.pop("made_by")  # who started each: another recipe
-    assert built == scratch
-    built = json.loads((cache / "manifest.json").read_text())
-    train(load_recipe(recipe, [*grown, "train.max_steps=1", "train.save_every=1"]))
-    assert json.loads((cache / "manifest.json").read_text()) == built  # read as it is

@@ -272,3 +272,28 @@ def test_python_functions_and_methods_are_humaneval_shaped(tmp_path):
     head = "class C(dict):\n    def method(self, x):\n"
     assert user["content"] == humaneval_message(head + doc.replace("    ", "        "))
     assert answer == {"role": "assistant", "content": "```python\n" + head + method + "```"}
+
+
+def test_training_prompts_keep_their_sources_order_and_a_sample_its_seeded_draw(tmp_path):
+    import random
+
+    from specdec.config import load_recipe
+    from specdec.data.build import training_prompts
+
+    first, more = tmp_path / "first.jsonl", tmp_path / "more.jsonl"
+    first.write_text(jsonl([{"id": i, "prompt": f"Question {i}?"} for i in range(12)]).decode())
+    more.write_text(jsonl([{"id": i, "prompt": f"Another {i}?"} for i in range(5)]).decode())
+    recipe = "recipes/debug/tiny.yaml"
+
+    def ids(*sets: str) -> list[str]:
+        rows, _ = training_prompts(load_recipe(recipe, ["eval.prompts=[]", *sets]))
+        return [r["id"] for r in rows]
+
+    alone = ids(f"data.prompts=[{first}]", "data.max_prompts=null")
+    assert alone == [f"first:{i}" for i in range(12)]
+    grown = ids(f"data.prompts=[{first},{more}]", "data.max_prompts=null")
+    assert grown == alone + [f"more:{i}" for i in range(5)]  # a source added appends its rows
+    sample = ids(f"data.prompts=[{first},{more}]", "data.max_prompts=6")
+    drawn = list(range(17))
+    random.Random(0).shuffle(drawn)  # the run's seed draws which 6
+    assert sample == [grown[i] for i in sorted(drawn[:6])]

@@ -168,13 +168,13 @@ def open_teacher_cache(recipe: Recipe, fp: dict, draft_ids=None):
 def load_training_data(
     recipe: Recipe, tokenizer, rows: list[dict] | None = None
 ) -> tuple[Dataset, SFTStats]:
-    """The training conversations, tokenized with assistant-only loss masks: the target's
-    regenerated answers and the rows of ``responses: keep`` sources, or with regeneration off
-    every row's own responses. ``rows``: the recipe's :func:`training_prompts`, when the
-    caller has them already. Besides ``input_ids`` and ``loss_mask``, each row's ``source``
-    (``target/<name>`` or ``data/<name>``: who wrote the answer, and the prompt source's name),
-    ``target_written`` and ``id`` (the prompt's: a regenerated row and a ``keep`` row of one
-    prompt share it)."""
+    """The training conversations, tokenized with assistant-only loss masks, in the prompts'
+    order: the target's regenerated answers and the rows of ``responses: keep`` sources, or
+    with regeneration off every row's own responses. ``rows``: the recipe's
+    :func:`training_prompts`, when the caller has them already. Besides ``input_ids`` and
+    ``loss_mask``, each row's ``source`` (``target/<name>`` or ``data/<name>``: who wrote the
+    answer, and the prompt source's name), ``target_written`` and ``id`` (the prompt's: a
+    regenerated row and a ``keep`` row of one prompt share it)."""
     rows = training_prompts(recipe)[0] if rows is None else rows
     source = ", ".join(p.source for p in recipe.data.prompts)
     written = [False] * len(rows)
@@ -183,7 +183,11 @@ def load_training_data(
         keeping = ", ".join(p.source for p in recipe.data.prompts if p.responses == "keep")
         source = f"{dataset_dir(recipe)}" + (f" + kept responses of {keeping}" if kept else "")
         regenerated = list(load_regenerated(dataset_dir(recipe)))
-        rows, written = regenerated + kept, [True] * len(regenerated) + [False] * len(kept)
+        # in the prompts' order, a kept row where its source stands: sources append rows
+        place = {(r["id"], r["keep"]): i for i, r in enumerate(rows)}
+        both = [(r, True) for r in regenerated] + [(r, False) for r in kept]
+        both.sort(key=lambda pair: place.get((pair[0]["id"], not pair[1]), len(rows)))
+        rows, written = [r for r, _ in both], [w for _, w in both]
     tagged = [
         {**row, "source": _source(row["id"], by_target), "target_written": by_target}
         for row, by_target in zip(rows, written, strict=True)

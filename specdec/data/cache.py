@@ -25,7 +25,8 @@ Layout of a cache directory::
     recipe.yaml               the resolved recipe that started it
     shard-00000.safetensors   rows [0, shard_rows), then the next rows, ...; each shard is
                               written to a temporary name, fsynced and renamed, so a killed
-                              run leaves whole shards only and resumes with the missing ones
+                              run leaves whole shards only and resumes with the shards that
+                              are missing or hold other rows than theirs (a grown cache)
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def check_fingerprint(
     cache of more layers than asked for serves (one cache for drafters that read fewer).
     ``where`` names the setting that pointed at ``out``; ``hint``, what to do instead."""
     old = manifest.get("fingerprint", {})
-    for key, value in fp.items():
+    data = ("data_sha256", "rows")  # named last: grown data may differ in something else too
+    for key, value in sorted(fp.items(), key=lambda item: item[0] in data):
         if key == "layers" and set(value) <= set(old.get(key) or ()):
             continue
         if old.get(key) != value:

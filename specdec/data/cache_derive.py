@@ -32,6 +32,7 @@ from specdec.data.cache import (
     named,
     pack,
     shard_name,
+    shards_to_do,
     top_k_of,
     unpack,
     write_shard,
@@ -88,7 +89,7 @@ def derive_cache(source: Path, fp: dict, out: Path, progress=True, recipe_text=N
         manifest = begin(out, fp, recipe_text, made_by)
         fp = manifest["fingerprint"]  # the layers it holds, when more than asked for
         check_derivable(source, have["fingerprint"], fp)
-        todo = [j for j in range(have["shards"]) if not (out / shard_name(j)).exists()]
+        todo = shards_to_do(out, fp["rows"], fp["shard_rows"])
         for j in tqdm(todo, disable=not progress, desc="derive", unit="shard"):
             with safe_open(str(source / shard_name(j)), framework="pt") as shard:
                 tensors = transcode(shard, have["fingerprint"], fp)

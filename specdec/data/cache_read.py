@@ -40,6 +40,13 @@ class TeacherCache:
             except Exception as err:  # a truncated or foreign file: one line, not a traceback
                 path = out / shard_name(j)
                 raise DataError(f"{path}: unreadable teacher shard ({err})") from None
+            size = self.fp["shard_rows"]
+            held, want = len(offsets[0]) - 1, min(self.fp["rows"], (j + 1) * size) - j * size
+            if held != want:  # a grown cache's old last shard, left by a killed run
+                raise DataError(
+                    f"{out / shard_name(j)}: {held} rows where this cache's shard holds {want}; "
+                    "build it again (specdec data cache) to finish it"
+                )
             self.shards.append(handle)
             self.offsets.append(offsets)
 
@@ -80,8 +87,9 @@ class TeacherCache:
 
     def batch(self, indices: list[int], width: int, input_ids: torch.Tensor) -> dict:
         """The teacher of a micro-batch padded to ``width``, over the drafter's vocabulary, at
-        the N positions ``teacher_rows`` [B, width] sets (those whose next token is an
-        answer's), in their row-major order: ``teacher_log_probs`` [N, D] (what
+        the N positions ``teacher_rows`` [B, width] sets (those whose next token the cached
+        row teaches: an answer's, any under ``data.loss_on: all``; a row's own ``loss_mask``
+        picks those it trains), in their row-major order: ``teacher_log_probs`` [N, D] (what
         ``Drafter.teacher`` computes from the target's logits, built without them; a
         :class:`SparseTeacher` of them from a top-k cache),
         ``teacher_best`` [N] (the target's top token as a draft index, -1: outside the draft

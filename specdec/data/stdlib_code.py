@@ -2,10 +2,10 @@
 
 No download: every function with a docstring becomes a stub (signature and docstring) to
 complete, the way HumanEval (Chen et al. 2021) asks for code, and the function itself is the
-reference answer. ``python_functions`` reads module-level functions, ``python_methods`` the
-methods of module-level classes (their stub keeps the ``class`` line, so the answer is
-indented as written). Rows are ordered by a hash of their id, so any first N of them spread
-over the library.
+reference answer (both from the ``def`` line: decorators are left out). ``python_functions``
+reads module-level functions, ``python_methods`` the methods of module-level classes (their
+stub keeps the ``class`` line, so the answer is indented as written). Rows are ordered by a
+hash of their id, so any first N of them spread over the library.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SKIP = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo"}
-MIN_LINES, MAX_LINES = 4, 40  # a function's length, its first line to its last, exclusive
+MIN_LINES, MAX_LINES = 4, 40  # a function's lines after its ``def`` line, bounds included
 
 
 def humaneval_message(stub: str) -> str:
@@ -83,8 +83,9 @@ def python_functions(root: str | os.PathLike | None = None) -> list[dict]:
 def python_methods(root: str | os.PathLike | None = None) -> list[dict]:
     """As :func:`python_functions`, for the methods of module-level classes: the stub is the
     ``class`` line, then the method's signature and docstring; the answer the ``class`` line
-    and the whole method. Only classes whose line is one line long (no wrapped bases); of two
-    methods with one name (a property and its setter), the first."""
+    and the whole method. Only undecorated classes whose ``class`` line ends in its colon (no
+    wrapped bases, no comment); of two methods with one name (a property and its setter), the
+    first."""
     rows = []
     for module, tree, lines in _modules(_root(root)):
         for cls in tree.body:
