@@ -128,8 +128,8 @@ def read_prompts(path: Path, n: int) -> list[dict]:
 
 
 def recipe_prompts(config: Path, n: int) -> tuple[object, list[dict]]:
-    """The recipe's target and ``n`` of its training prompts, a sample over its sources (drawn
-    with the run's seed: a ``data.max_prompts`` of ``n``'s, in the order drawn)."""
+    """The recipe's target and ``n`` of its training prompts across its sources: those that
+    ``data.max_prompts: n`` draws with the run's seed, in the order drawn."""
     recipe = load_recipe(str(config), [])
     rows = training_prompts(recipe)[0]
     random.Random(recipe.run.seed).shuffle(rows)
