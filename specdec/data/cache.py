@@ -101,10 +101,7 @@ def grown(manifest: dict, fp: dict, dataset) -> dict | None:
     n = old.get("rows")
     if not isinstance(n, int) or not 0 < n < fp["rows"]:
         return None
-    try:
-        rest = {k: v for k, v in fp.items() if k not in ("data_sha256", "rows")}
-        check_fingerprint(Path(), manifest, rest)
-    except DataError:
+    if differs(old, {k: v for k, v in fp.items() if k not in ("data_sha256", "rows")}):
         return None
     if data_sha256(dataset, n) != old.get("data_sha256"):
         return None
@@ -116,7 +113,7 @@ def shards_to_do(out: Path, rows: int, size: int) -> list[int]:
     holding other than their rows (the last shard of a cache since grown)."""
     todo = []
     for j in range(math.ceil(rows / size)):
-        want = min(rows, (j + 1) * size) - j * size
+        want = len(shard_range(j, rows, size))
         try:
             with safe_open(str(out / shard_name(j)), framework="pt") as shard:
                 held = shard.get_slice("row_offsets").get_shape()[0] - 1
@@ -167,20 +164,35 @@ def shard_name(j: int) -> str:
 def check_fingerprint(
     out: Path, manifest: dict, fp: dict, where: str = "data.cache.dir", hint: str = ""
 ) -> None:
-    """Raise DataError naming the first thing ``out`` was cached for that differs from now; a
-    cache of more layers than asked for serves (one cache for drafters that read fewer).
-    ``where`` names the setting that pointed at ``out``; ``hint``, what to do instead."""
+    """Raise DataError naming the first thing ``out`` was cached for that differs from now
+    (:func:`differs`). ``where`` names the setting that pointed at ``out``; ``hint``, what to
+    do instead."""
     old = manifest.get("fingerprint", {})
-    data = ("data_sha256", "rows")  # named last: grown data may differ in something else too
+    key = differs(old, fp)
+    if key is not None:
+        raise DataError(
+            f"{where}: {out} holds a teacher cache of another {key} "
+            f"({old.get(key)!r} there, {fp[key]!r} now); "
+            + (hint or "use another data.cache.dir or delete that one")
+        )
+
+
+def differs(old: dict, fp: dict) -> str | None:
+    """The first key of ``fp`` the cached fingerprint ``old`` differs in, the data last (grown
+    data may differ in something else too); None when it serves ``fp`` (a cache of more
+    layers than asked for serves: one cache for drafters that read fewer)."""
+    data = ("data_sha256", "rows")
     for key, value in sorted(fp.items(), key=lambda item: item[0] in data):
         if key == "layers" and set(value) <= set(old.get(key) or ()):
             continue
         if old.get(key) != value:
-            raise DataError(
-                f"{where}: {out} holds a teacher cache of another {key} "
-                f"({old.get(key)!r} there, {value!r} now); "
-                + (hint or "use another data.cache.dir or delete that one")
-            )
+            return key
+    return None
+
+
+def shard_range(j: int, rows: int, size: int) -> range:
+    """The rows shard ``j`` of a cache of ``rows`` rows holds, ``size`` a shard."""
+    return range(j * size, min(rows, (j + 1) * size))
 
 
 def provenance(recipe_text: str, tokenizer) -> dict:
@@ -220,7 +232,7 @@ def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, reci
     fp = manifest["fingerprint"]  # the layers it holds, when more than asked for
     n, size = len(dataset), fp["shard_rows"]
     todo = shards_to_do(out, n, size)
-    rows = sum(min(n, (j + 1) * size) - j * size for j in todo)
+    rows = sum(len(shard_range(j, n, size)) for j in todo)
     estimate = estimate_bytes(dataset, fp)
     logger.info(
         "teacher cache %s: %d rows, %d to do; about %.2f GB in all (%s, top-k %s, layers %s)",
@@ -228,11 +240,9 @@ def _build(target, dataset, fp, out: Path, batch_size: int, progress: bool, reci
     )  # fmt: skip
     bar = tqdm(total=rows, disable=not progress, desc="cache", unit="row")
     for j in todo:
-        tensors = encode_rows(
-            target, dataset, range(j * size, min(n, (j + 1) * size)), fp, batch_size
-        )
+        tensors = encode_rows(target, dataset, shard_range(j, n, size), fp, batch_size)
         write_shard(out, j, tensors, j * size)
-        bar.update(min(n, (j + 1) * size) - j * size)
+        bar.update(len(shard_range(j, n, size)))
     bar.close()
     tokens = sum(len(ids) for ids in dataset["input_ids"])
     taught = sum(len(teacher_positions(m)) for m in dataset["loss_mask"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specdec.data.cache import FORMAT, check_fingerprint, shard_name, unpack
+from specdec.data.cache import FORMAT, check_fingerprint, shard_name, shard_range, unpack
 from specdec.data.shards import read_manifest
 from specdec.errors import DataError
 from specdec.sparse_teacher import SparseTeacher
@@ -40,8 +40,8 @@ class TeacherCache:
             except Exception as err:  # a truncated or foreign file: one line, not a traceback
                 path = out / shard_name(j)
                 raise DataError(f"{path}: unreadable teacher shard ({err})") from None
-            size = self.fp["shard_rows"]
-            held, want = len(offsets[0]) - 1, min(self.fp["rows"], (j + 1) * size) - j * size
+            held = len(offsets[0]) - 1
+            want = len(shard_range(j, self.fp["rows"], self.fp["shard_rows"]))
             if held != want:  # a grown cache's old last shard, left by a killed run
                 raise DataError(
                     f"{out / shard_name(j)}: {held} rows where this cache's shard holds {want}; "

@@ -201,9 +201,8 @@ class MedusaDrafter(TrainableDrafter):
         self.decay, self.backbone_weight = config.head_weight_decay, config.backbone_weight
         self.adapter_lr_scale = config.adapter_lr_scale
         if self.backbone is None and config.lora_rank:
-            cfg = config
-            self._adapt(medusa_adapted.adapt(target.model, cfg.lora_rank, cfg.lora_alpha,
-                                             cfg.lora_target_modules))  # fmt: skip
+            self._adapt(medusa_adapted.adapt(target.model, config.lora_rank, config.lora_alpha,
+                                             config.lora_target_modules))  # fmt: skip
         if not config.gradient_checkpointing:
             return
         if self.backbone is None:
