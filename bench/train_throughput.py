@@ -105,7 +105,8 @@ def main() -> None:
     def train_step(i: int, with_cache: bool, forward=model) -> int:  # the loop's own loss
         b = batch(i, with_cache)
         counts = drafter.loss_masks(b["loss_mask"]).sum(dim=(1, 2)).float()
-        loss, _, _ = drafter_loss(drafter, forward, target, b, recipe.loss, counts)
+        # as the loop's unlogged steps: the loss and first-step accuracy, no other metric
+        loss, _, _ = drafter_loss(drafter, forward, target, b, recipe.loss, counts, detail=False)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

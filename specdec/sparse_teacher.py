@@ -115,16 +115,62 @@ def sparse_forward_kl(
         raise ValueError(
             f"draft logits {tuple(draft_logits.shape)} and teacher {teacher.shape} differ"
         )
-    z = scaled(draft_logits.float(), temperature)
     log_p, log_fill, others = teacher.renormalised(temperature)
     used = teacher.used
     p, p_fill = log_p.exp(), log_fill.exp()
     entropy = torch.where(used, p * log_p, 0.0).sum(-1)
     entropy = entropy + torch.where(others > 0, others * p_fill * log_fill, 0.0)
-    lse = torch.logsumexp(z, dim=-1)
-    kept = torch.where(used, (p - p_fill[..., None]) * z.gather(-1, teacher.cols), 0.0).sum(-1)
-    cross = kept + p_fill * z.sum(-1) - lse
-    return entropy - cross
+    coef = torch.where(used, p - p_fill[..., None], 0.0)
+    return entropy - _Cross.apply(draft_logits, teacher.cols, coef, p_fill, temperature)
+
+
+#: rows of logits one pass of :class:`_Cross` works on (a float32 chunk of a few MB, which
+#: stays in the CPU's caches between the passes over it)
+CHUNK_ROWS = 128
+
+
+class _Cross(torch.autograd.Function):
+    """``sum_i c_i z_i + p_f sum_v z_v - logsumexp(z)`` per position, ``z`` the logits divided
+    by the temperature, and its gradient ``(c scattered at its columns + p_f - softmax(z)) / T``,
+    computed a chunk of rows at a time in float32 from logits of any floating dtype.
+
+    Autograd over the same expression keeps several ``[N, width]`` float32 tensors and passes
+    over each (the cast, logsumexp's and the sum's backward, their sum, the cast back): on a
+    CPU those passes cost more than the LM head's matmuls. Here the forward keeps only the
+    logits and the logsumexp, and the backward makes one float32 chunk at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, cols, coef, p_fill, temperature):
+        lead, width = logits.shape[:-1], logits.shape[-1]
+        x, c = logits.reshape(-1, width), cols.reshape(-1, cols.shape[-1])
+        k, f = coef.reshape(-1, coef.shape[-1]), p_fill.reshape(-1)
+        out = torch.empty(len(x), dtype=torch.float32, device=x.device)
+        lse = torch.empty_like(out)
+        for a in range(0, len(x), CHUNK_ROWS):
+            rows = slice(a, a + CHUNK_ROWS)
+            z = scaled(x[rows].float(), temperature)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            kept = (k[rows] * z.gather(-1, c[rows])).sum(-1)
+            out[rows] = kept + f[rows] * z.sum(-1) - lse[rows]
+        ctx.save_for_backward(x, c, k, f, lse)
+        ctx.temperature, ctx.shape = temperature, logits.shape
+        return out.view(lead)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, c, k, f, lse = ctx.saved_tensors
+        g = grad.reshape(-1).float() / ctx.temperature
+        out = torch.empty_like(x)
+        for a in range(0, len(x), CHUNK_ROWS):
+            rows = slice(a, a + CHUNK_ROWS)
+            q = x[rows].to(torch.float32, copy=True)  # never a view of float32 logits
+            if ctx.temperature != 1.0:
+                q.div_(ctx.temperature)
+            q.sub_(lse[rows, None]).exp_()
+            d = q.neg_().add_(f[rows, None]).scatter_add_(-1, c[rows], k[rows])
+            out[rows] = d.mul_(g[rows, None])
+        return out.view(ctx.shape), None, None, None, None
 
 
 def scaled(logits: Tensor, temperature: float) -> Tensor:

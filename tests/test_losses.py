@@ -15,6 +15,7 @@ from specdec.losses import (
     token_losses,
     top1_agreement,
 )
+from specdec import sparse_teacher
 from specdec.sparse_teacher import SparseTeacher
 
 B, T, V = 2, 3, 7
@@ -351,6 +352,34 @@ def test_sparse_teacher_gives_the_dense_forward_kl_acceptance_and_gradient(keep,
     accept = acceptance_rate(draft.detach(), sparse, mask)
     assert float(accept) == pytest.approx(float(overlap[mask.bool()].mean()), abs=1e-6)
     assert torch.equal(sparse.dense(), dense)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sparse_forward_kl_in_chunks_and_from_bfloat16_logits(temperature, monkeypatch):
+    """The fused forward KL works a few rows at a time: with chunks of 4 of the 6 positions
+    (one chunk partial) its loss and gradient are the dense reference's, the float32 logits it
+    read are left as they were after the backward (it works on copies of them), and bfloat16
+    logits get a bfloat16 gradient equal to the reference on the same values in float32."""
+    monkeypatch.setattr(sparse_teacher, "CHUNK_ROWS", 4)
+    sparse, dense = sparse_case(seed=3, keep=5)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    p = torch.softmax(dense / temperature, dim=-1)
+    start = torch.randn(B, T, 12, generator=torch.Generator().manual_seed(4)) * 2
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        draft = start.to(dtype, copy=True).requires_grad_()
+        before = draft.detach().clone()
+        reference = draft.detach().float().requires_grad_()
+        log_q = torch.log_softmax(reference / temperature, dim=-1)
+        expected = (p * (p.log() - log_q)).sum(-1)[mask.bool()].mean()
+        (want,) = torch.autograd.grad(expected, reference)
+        loss, _ = distill_loss(
+            draft, sparse, mask, mix={"forward_kl": 1.0}, temperature=temperature
+        )
+        loss.backward()
+        assert draft.grad.dtype == dtype
+        assert torch.equal(draft.detach(), before)
+        torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(draft.grad.float(), want, atol=tol * 1e-1, rtol=tol)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])

@@ -237,6 +237,18 @@ class Teacher:
         rows = self.row_of[b, t + self.shift + s]
         return _restrict(self.log_p[rows], self.best[rows], self.vocabs[s])
 
+    def over(self, s: int, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step ``s``'s targets at the N positions of ``at`` (``[B, T]``, a superset of
+        ``mask[s]``), in ``x[at]``'s order, as :meth:`at` gives them, and ``[N]`` whether step
+        ``s`` trains each. An untrained position holds the targets of a trained one (finite
+        values for a loss to mask) and the argmax -1 (never a hit)."""
+        b, t = at.nonzero(as_tuple=True)
+        trained = self.mask[s][b, t]
+        ahead = (t + self.shift + s).clamp(max=at.shape[1] - 1)
+        rows = torch.where(trained, self.row_of[b, ahead], 0)  # row 0 exists when N > 0
+        log_p, best = _restrict(self.log_p[rows], self.best[rows], self.vocabs[s])
+        return log_p, torch.where(trained, best, -1), trained
+
 
 class TrainableDrafter(Drafter):
     """A drafter with a training face. Families set ``steps`` and ``shift`` and provide

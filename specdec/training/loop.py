@@ -77,7 +77,7 @@ def steps(run: Run) -> None:
         score_saved(run, log)  # the run was killed between its state and its checkpoint's score
     elif state.step > 0 and accelerator.is_main_process:
         refresh_best(recipe.run_dir)  # or between a score and best
-    window_tokens, window_start = 0, time.perf_counter()
+    window_tokens, window_start, last = 0, time.perf_counter(), 0.0
     while state.step < cfg.max_steps and not out_of_time:
         tick = clock()
         if run.pool is not None and run.pool.due(state.step):
@@ -85,8 +85,10 @@ def steps(run: Run) -> None:
             run.pool.refresh(
                 run.target, drafter, run.dataset, run.train_rows, state.step, accelerator
             )
-        sums, grad_norm, tokens = optimizer_step(run)
+        before = state.seconds
+        sums, grad_norm, tokens = optimizer_step(run, _logged(run, last))
         out_of_time = spend(run, clock() - tick)
+        last = state.seconds - before  # the same on every process
         window_tokens += tokens
         bar.update(1)
         if state.step % cfg.log_every == 0 or state.step == cfg.max_steps or out_of_time:
@@ -127,11 +129,21 @@ def close(accelerator) -> None:
     accelerator.end_training()
 
 
-def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
+def _logged(run: Run, last: float) -> bool:
+    """Whether the coming step will likely be logged: every ``train.log_every`` steps, the
+    last of ``train.max_steps``, and any step that may spend the time budget (the previous one
+    took ``last`` seconds; twice that is left or less)."""
+    cfg, step = run.recipe.train, run.state.step + 1
+    budget = cfg.max_minutes
+    near_end = budget is not None and run.state.seconds + 2 * last >= 60 * budget
+    return step % cfg.log_every == 0 or step == cfg.max_steps or near_end
+
+
+def optimizer_step(run: Run, detail: bool = True) -> tuple[dict, torch.Tensor | None, int]:
     """One optimizer step over this process's share of the step's micro-batches.
 
-    Returns the per-process metric sums, the gradient norm and the step's input tokens (all
-    processes).
+    Returns the per-process metric sums (every metric with ``detail``, else the loss and
+    first-step accuracy only), the gradient norm and the step's input tokens (all processes).
     """
     recipe, accelerator, state = run.recipe, run.accelerator, run.state
     cfg, n = recipe.train, accelerator.num_processes
@@ -167,7 +179,7 @@ def optimizer_step(run: Run) -> tuple[dict, torch.Tensor | None, int]:
     for a, batch in enumerate(batches):
         last = a == len(batches) - 1
         with nullcontext() if last else _no_sync(run):
-            parts = _micro_step(run, batch, per_process)
+            parts = _micro_step(run, batch, per_process, detail)
         for key, value in parts.items():
             sums[key] = sums.get(key, 0) + value
     if run.replica is not None:  # FSDP: weights kept whole get DDP's averaged gradients
@@ -232,11 +244,11 @@ def _scored(run_dir: Path, step: int) -> bool:
     return (run_dir / "checkpoints" / f"step-{step:06d}" / "score.json").is_file()
 
 
-def _micro_step(run: Run, batch: dict, num_tokens: torch.Tensor) -> dict:
+def _micro_step(run: Run, batch: dict, num_tokens: torch.Tensor, detail: bool) -> dict:
     """Forward target and drafter on one micro-batch, backpropagate its share of the loss."""
     n = run.accelerator.num_processes
     loss, metrics, (agree, count) = drafter_loss(
-        run.drafter, run.model, run.target, batch, run.recipe.loss, num_tokens, n
+        run.drafter, run.model, run.target, batch, run.recipe.loss, num_tokens, n, detail
     )
     run.by_source.add(batch["rows"], agree, count)
     run.accelerator.backward(loss)

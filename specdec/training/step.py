@@ -68,7 +68,14 @@ def collate(dataset, indices: list[int], pad_id: int, cache=None) -> dict:
 
 
 def drafter_loss(
-    drafter, model, target, batch: dict, loss_cfg, num_tokens: torch.Tensor, processes: int = 1
+    drafter,
+    model,
+    target,
+    batch: dict,
+    loss_cfg,
+    num_tokens: torch.Tensor,
+    processes: int = 1,
+    detail: bool = True,
 ) -> tuple[torch.Tensor, dict, tuple[torch.Tensor, torch.Tensor]]:
     """The loss of one micro-batch and its metrics: the target's forward (logits and the layers
     the drafter reads), the drafter's S steps, a loss per step weighted by ``step_weights``.
@@ -82,6 +89,10 @@ def drafter_loss(
         num_tokens: ``[S]`` each step's global count of trained positions divided by the
             process count: every step's loss is its sum over that count.
         processes: the process count (metrics are shares of a sum over processes).
+        detail: whether to compute every metric. Without it only the loss, its parts and
+            ``train/acc@1`` are returned: the others (top-5 and expected acceptance over the
+            draft vocabulary, every step's argmax) cost a fifth of a step on a CPU, and the
+            loop logs them only every ``train.log_every`` steps.
 
     Returns:
         The scalar loss, per-token metric shares (summed over micro-batches and processes,
@@ -109,12 +120,10 @@ def drafter_loss(
     weights = drafter.step_weights()
     loss, metrics = 0.0, {}
     for s in range(len(logits)):
-        # the positions step s trains as one row, [1, N_s, D]: no loss or metric spends work
-        # on the others
-        trained = teacher.mask[s]  # [B, T] booleans
-        log_p, tokens = (x[None] for x in teacher.at(s))
-        draft = _rows(logits[s], trained[at]).float()[None]
-        mask = torch.ones_like(tokens, dtype=torch.bool)
+        # every row some step trains: the rows this step does not train are masked out of
+        # its loss and metrics (a gradient of zero there, as selecting them out would give)
+        log_p, tokens, mask = (x[None] for x in teacher.over(s, at))
+        draft = logits[s][None]  # [1, N, D]; the losses and metrics compute in float32
         step_loss, parts = distill_loss(
             draft,
             log_p,
@@ -127,25 +136,41 @@ def drafter_loss(
             num_tokens=num_tokens[s],
         )
         loss = loss + float(weights[s]) * step_loss
-        share = mask.sum() / num_tokens[s] / processes
-        suffix = "" if s == 0 else f"@{s + 1}"
-        # the target's full-vocabulary argmax as a draft index, -1 outside it: a miss there,
-        # as when decoding
-        agree = draft.argmax(dim=-1) == tokens  # [1, N]
-        metrics[f"train/acc@{s + 1}"] = agree.sum() / num_tokens[s] / processes
-        top5 = draft.topk(min(5, draft.shape[-1]), dim=-1).indices  # [1, N, 5]
-        within = (top5 == tokens.unsqueeze(-1)).any(-1)
-        metrics[f"train/top5@{s + 1}"] = within.sum() / num_tokens[s] / processes
-        accept = acceptance_rate(draft, log_p, mask)
-        metrics[f"train/expected_accept{suffix}"] = accept * share
         if s == 0:
             metrics |= {f"train/loss/{k}": v.detach() / processes for k, v in parts.items()}
-            metrics["train/out_of_vocab"] = masked_mean((tokens < 0).float(), mask) * share
-            metrics["train/teacher_mass"] = teacher_mass(log_p, mask) * share
-            row = trained.nonzero(as_tuple=True)[0]  # the batch row of each position
-            hits = torch.zeros(trained.shape[0], dtype=torch.long, device=row.device)
-            rows = (hits.index_add_(0, row, agree[0].long()), trained.sum(dim=1))  # per row
+        if s > 0 and not detail:
+            continue
+        with torch.no_grad():
+            # the target's full-vocabulary argmax as a draft index, -1 outside it: a miss
+            # there, as when decoding
+            agree = draft.argmax(dim=-1) == tokens  # [1, N]
+            metrics[f"train/acc@{s + 1}"] = agree.sum() / num_tokens[s] / processes
+            if detail:
+                total = num_tokens[s] * processes
+                metrics |= _more_metrics(draft, log_p, tokens, mask, s, total)
+        if s == 0:
+            row = at.nonzero(as_tuple=True)[0]  # the batch row of each position
+            hits = torch.zeros(at.shape[0], dtype=torch.long, device=row.device)
+            counts = teacher.mask[0].sum(dim=1)
+            rows = (hits.index_add_(0, row, agree[0].long()), counts)  # per row
     return loss, {"train/loss": loss.detach() / processes, **metrics}, rows
+
+
+def _more_metrics(draft, log_p, tokens, mask, s: int, total) -> dict:
+    """Step ``s``'s top-5 agreement and expected acceptance (of the first step also the
+    positions outside the draft vocabulary and the teacher mass it holds), each a share of the
+    ``total`` positions of all processes."""
+    share = mask.sum() / total
+    top5 = draft.topk(min(5, draft.shape[-1]), dim=-1).indices  # [1, N, 5]
+    suffix = "" if s == 0 else f"@{s + 1}"
+    out = {
+        f"train/top5@{s + 1}": (top5 == tokens.unsqueeze(-1)).any(-1).sum() / total,
+        f"train/expected_accept{suffix}": acceptance_rate(draft, log_p, mask) * share,
+    }
+    if s == 0:
+        out["train/out_of_vocab"] = masked_mean((tokens < 0).float(), mask) * share
+        out["train/teacher_mass"] = teacher_mass(log_p, mask) * share
+    return out
 
 
 def step_counts(drafter, batches: list[dict], accelerator) -> torch.Tensor:
@@ -155,14 +180,6 @@ def step_counts(drafter, batches: list[dict], accelerator) -> torch.Tensor:
     for batch in batches:  # a process may hold none (held-out rows fewer than processes)
         local += drafter.loss_masks(batch["loss_mask"]).sum(dim=(1, 2))
     return accelerator.reduce(local, "sum") / accelerator.num_processes
-
-
-def _rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``x[keep]`` for ``[N]`` booleans ``keep``, by index (a backward that adds rows into a
-    zero tensor, not a masked accumulate) and not at all when every row is kept."""
-    if bool(keep.all()):
-        return x
-    return x.index_select(0, keep.nonzero().squeeze(-1))
 
 
 def _shift_left(mask: torch.Tensor) -> torch.Tensor:
