@@ -127,3 +127,56 @@ def test_resume_after_sigkill_continues_identically(files, tmp_path):
     whole = load_file(tmp_path / "whole" / "state" / "model.safetensors")
     for name in whole:
         torch.testing.assert_close(final[name], whole[name], atol=1e-6, rtol=1e-5)
+
+
+DETAILED = (
+    "train/acc@3",
+    "train/top5@1",
+    "train/expected_accept",
+    "train/expected_accept@3",
+    "train/out_of_vocab",
+    "train/teacher_mass",
+)
+
+
+def test_steps_between_logs_skip_the_metrics_and_train_the_same(files, tmp_path, monkeypatch):
+    """Logged every 4 steps (and at the end of a time budget the loop sees coming), a run
+    computes every metric on its logged steps only and trains exactly as one logged every step:
+    the same losses at the logged steps and the same weights. A clock that advances one second
+    per reading makes every step cost one second: a budget of 0.1 minutes ends at step 6."""
+    from itertools import count
+
+    from specdec.training import loop
+
+    computed = []
+    drafter_loss = loop.drafter_loss
+
+    def spy(*args):
+        loss, metrics, rows = drafter_loss(*args)
+        computed.append("train/expected_accept" in metrics)
+        return loss, metrics, rows
+
+    monkeypatch.setattr(loop, "drafter_loss", spy)
+    ticks = count()
+    monkeypatch.setattr(loop, "clock", lambda: float(next(ticks)))
+
+    def run(name: str, *extra: str) -> list[dict]:
+        args = ("train.save_every=100", "train.max_steps=20", "train.max_minutes=0.1", *extra)
+        loop.train(load_recipe(RECIPE, overrides(files, tmp_path / name, *args)))
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [m for m in map(json.loads, lines) if "train/loss" in m]
+
+    every = run("every")  # log_every: 1
+    assert computed == [True] * 6
+    computed.clear()
+    sparse = run("sparse", "train.log_every=4")
+    # step 4 logged, and 6, the budget's last; 5 too, since two steps' seconds were left then
+    assert computed == [False, False, False, True, True, True]
+    assert [m["step"] for m in sparse] == [4, 6]
+    for logged in sparse:
+        twin = next(m for m in every if m["step"] == logged["step"])
+        for key in ("train/loss", *DETAILED):
+            assert logged[key] == pytest.approx(twin[key], rel=1e-6), key
+    a = load_file(tmp_path / "every" / "checkpoints" / "step-000006" / "model.safetensors")
+    b = load_file(tmp_path / "sparse" / "checkpoints" / "step-000006" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

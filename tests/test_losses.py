@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec import sparse_teacher
 from specdec.losses import (
     LOSS_NAMES,
     acceptance_rate,
@@ -15,7 +16,6 @@ from specdec.losses import (
     token_losses,
     top1_agreement,
 )
-from specdec import sparse_teacher
 from specdec.sparse_teacher import SparseTeacher
 
 B, T, V = 2, 3, 7
