@@ -124,9 +124,16 @@ def sparse_forward_kl(
     return entropy - _Cross.apply(draft_logits, teacher.cols, coef, p_fill, temperature)
 
 
-#: rows of logits one pass of :class:`_Cross` works on (a float32 chunk of a few MB, which
-#: stays in the CPU's caches between the passes over it)
+#: rows of logits one pass of :class:`_Cross` works on, on a CPU (a float32 chunk of a few MB,
+#: which stays in the caches between the passes over it); on an accelerator one pass takes all
+#: rows, since a kernel launch per chunk would cost more than the chunk
 CHUNK_ROWS = 128
+
+
+def _chunks(x: Tensor) -> list[slice]:
+    """The row slices of ``x`` that :class:`_Cross` works on, one after the other."""
+    size = CHUNK_ROWS if x.device.type == "cpu" else max(len(x), 1)
+    return [slice(a, a + size) for a in range(0, len(x), size)]
 
 
 class _Cross(torch.autograd.Function):
@@ -147,8 +154,7 @@ class _Cross(torch.autograd.Function):
         k, f = coef.reshape(-1, coef.shape[-1]), p_fill.reshape(-1)
         out = torch.empty(len(x), dtype=torch.float32, device=x.device)
         lse = torch.empty_like(out)
-        for a in range(0, len(x), CHUNK_ROWS):
-            rows = slice(a, a + CHUNK_ROWS)
+        for rows in _chunks(x):
             z = scaled(x[rows].float(), temperature)
             lse[rows] = torch.logsumexp(z, dim=-1)
             kept = (k[rows] * z.gather(-1, c[rows])).sum(-1)
@@ -158,12 +164,12 @@ class _Cross(torch.autograd.Function):
         return out.view(lead)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, c, k, f, lse = ctx.saved_tensors
         g = grad.reshape(-1).float() / ctx.temperature
         out = torch.empty_like(x)
-        for a in range(0, len(x), CHUNK_ROWS):
-            rows = slice(a, a + CHUNK_ROWS)
+        for rows in _chunks(x):
             q = x[rows].to(torch.float32, copy=True)  # never a view of float32 logits
             if ctx.temperature != 1.0:
                 q.div_(ctx.temperature)

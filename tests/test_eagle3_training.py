@@ -141,7 +141,8 @@ DETAILED = (
 
 def test_steps_between_logs_skip_the_metrics_and_train_the_same(files, tmp_path, monkeypatch):
     """Logged every 4 steps (and at the end of a time budget the loop sees coming), a run
-    computes every metric on its logged steps only and trains exactly as one logged every step:
+    computes every metric on the steps it may log only and trains exactly as one logged every
+    step:
     the same losses at the logged steps and the same weights. A clock that advances one second
     per reading makes every step cost one second: a budget of 0.1 minutes ends at step 6."""
     from itertools import count
@@ -170,8 +171,9 @@ def test_steps_between_logs_skip_the_metrics_and_train_the_same(files, tmp_path,
     assert computed == [True] * 6
     computed.clear()
     sparse = run("sparse", "train.log_every=4")
-    # step 4 logged, and 6, the budget's last; 5 too, since two steps' seconds were left then
-    assert computed == [False, False, False, True, True, True]
+    # steps 4 and 6 (the budget's last) are logged; 1 (no step timed yet) and 5 (three steps'
+    # seconds or less left) compute every metric too
+    assert computed == [True, False, False, True, True, True]
     assert [m["step"] for m in sparse] == [4, 6]
     for logged in sparse:
         twin = next(m for m in every if m["step"] == logged["step"])

@@ -77,7 +77,7 @@ def steps(run: Run) -> None:
         score_saved(run, log)  # the run was killed between its state and its checkpoint's score
     elif state.step > 0 and accelerator.is_main_process:
         refresh_best(recipe.run_dir)  # or between a score and best
-    window_tokens, window_start, last = 0, time.perf_counter(), 0.0
+    window_tokens, window_start, last = 0, time.perf_counter(), None
     while state.step < cfg.max_steps and not out_of_time:
         tick = clock()
         if run.pool is not None and run.pool.due(state.step):
@@ -129,13 +129,16 @@ def close(accelerator) -> None:
     accelerator.end_training()
 
 
-def _logged(run: Run, last: float) -> bool:
-    """Whether the coming step will likely be logged: every ``train.log_every`` steps, the
-    last of ``train.max_steps``, and any step that may spend the time budget (the previous one
-    took ``last`` seconds; twice that is left or less)."""
+def _logged(run: Run, last: float | None) -> bool:
+    """Whether the coming step will be logged, so computes every metric: every
+    ``train.log_every`` steps, the last of ``train.max_steps``, and any step that may spend the
+    time budget: the first of a run or resumption (``last`` None), or one with no more than
+    three times the previous step's ``last`` seconds left. Only what every process shares
+    decides (their metrics are reduced key by key). A step that overruns that margin and ends
+    the budget is logged with the loss and the first step's accuracy only."""
     cfg, step = run.recipe.train, run.state.step + 1
     budget = cfg.max_minutes
-    near_end = budget is not None and run.state.seconds + 2 * last >= 60 * budget
+    near_end = budget is not None and (last is None or run.state.seconds + 3 * last >= 60 * budget)
     return step % cfg.log_every == 0 or step == cfg.max_steps or near_end
 
 
