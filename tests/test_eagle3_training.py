@@ -142,9 +142,9 @@ DETAILED = (
 def test_steps_between_logs_skip_the_metrics_and_train_the_same(files, tmp_path, monkeypatch):
     """Logged every 4 steps (and at the end of a time budget the loop sees coming), a run
     computes every metric on the steps it may log only and trains exactly as one logged every
-    step:
-    the same losses at the logged steps and the same weights. A clock that advances one second
-    per reading makes every step cost one second: a budget of 0.1 minutes ends at step 6."""
+    step: the same losses and metrics at the logged steps, and the same weights. A clock that
+    advances one second per reading makes every step cost one second: a budget of 0.1 minutes
+    ends at step 6."""
     from itertools import count
 
     from specdec.training import loop
