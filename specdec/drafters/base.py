@@ -233,9 +233,8 @@ class Teacher:
     def at(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``s``'s targets at the N positions ``mask[s]`` sets, in ``x[mask[s]]``'s order:
         ``[N, D_s]`` log-probabilities and ``[N]`` argmax as a draft index (-1 outside)."""
-        b, t = self.mask[s].nonzero(as_tuple=True)
-        rows = self.row_of[b, t + self.shift + s]
-        return _restrict(self.log_p[rows], self.best[rows], self.vocabs[s])
+        log_p, best, _ = self.over(s, self.mask[s])
+        return log_p, best
 
     def over(self, s: int, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step ``s``'s targets at the N positions of ``at`` (``[B, T]``, a superset of
