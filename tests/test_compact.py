@@ -15,7 +15,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from specdec.decoding import compact
+from specdec.decoding import compact, kernels
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import ModelSession
 from specdec.decoding.speculative import generate
@@ -48,7 +48,7 @@ def _model(family: str):
     return model.eval()
 
 
-LAYOUTS = ["transposed"] + (["packed"] if compact.packing_available() else [])
+LAYOUTS = ["linear", "transposed", "tuned"] + (["packed"] if kernels.packing_available() else [])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -136,46 +136,26 @@ def test_greedy_decoding_with_a_compact_draft_is_the_targets_output(forward):
     assert out.tokens == plain
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
-def test_transposed_linear_is_linear(rows):
+@pytest.mark.skipif(not kernels.packing_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 40])
+def test_packed_layout_multiplies_by_the_reordered_weight_from_three_rows(rows):
+    """The reordered copy is what is multiplied from three rows on, the plain weight below."""
     torch.manual_seed(0)
-    x, weight, bias = torch.randn(rows, 24), torch.randn(40, 24), torch.randn(40)
-    out = compact._linear_transposed(x, weight, bias)
-    assert out.shape == (rows, 40) and out.is_contiguous()
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
-    torch.testing.assert_close(
-        compact._linear_transposed(x.view(1, rows, 24), weight),
-        torch.nn.functional.linear(x, weight).view(1, rows, 40),
-    )
-
-
-@pytest.mark.skipif(not compact.packing_available(), reason="this torch has no oneDNN")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 40])
-def test_packed_linear_is_linear(rows):
-    """Below three rows the plain weight is used, from three the reordered one: both are the
-    product, checked in float64 (the reordered copy is made here, not by the code tested)."""
-    torch.manual_seed(0)
-    x, weight, bias = torch.randn(rows, 24), torch.randn(40, 24), torch.randn(40)
-    expected = (x.double() @ weight.double().t() + bias.double()).float()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
-    for b in (bias, None):
-        out = compact._linear_packed(x.view(1, rows, 24), weight, b, packed)
-        assert out.shape == (1, rows, 40) and out.is_contiguous()
-        want = expected if b is not None else expected - bias
-        torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
-    # the reordered weight is what is multiplied from three rows on, the plain one below
-    zeros = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(weight), 4)
-    out = compact._linear_packed(x, weight, None, zeros)
-    assert out.abs().max() == 0 if rows >= compact.PACKED_FROM_ROWS else out.abs().max() > 0
+    x, weight = torch.randn(rows, 24), torch.randn(40, 24)
+    zeros = kernels.reorder(torch.zeros_like(weight))
+    out = kernels.TunedLinear(compact.LAYOUTS["packed"])(x, weight, None, zeros)
+    assert out.abs().max() == 0 if rows >= 3 else out.abs().max() > 0
 
 
 def test_layout_choices():
     model = _model("llama")
     with pytest.raises(ValueError, match="compact layout 'fast': expected one of"):
         compact.CompactSession(model, torch.float32, layout="fast")
-    with pytest.raises(ValueError, match="'packed': needs float32 on a CPU"):
-        compact.CompactSession(model, torch.float16, layout="packed")
+    if kernels.packing_available():
+        with pytest.raises(ValueError, match="'packed': needs float32 on a CPU"):
+            compact.CompactSession(model, torch.float16, layout="packed")
     assert compact.CompactSession(model, torch.float16).layout == "linear"
+    assert compact.CompactSession(model, torch.float32).layout == "tuned"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -184,7 +164,7 @@ def test_target_session_is_compact_in_the_targets_dtype_with_its_hidden_layers(f
     layers = (0, 1)  # 1 is the last: after the final norm, as transformers returns it
     fast = compact.target_session(model, "auto", hidden_layers=layers)
     assert isinstance(fast, compact.CompactSession) and fast.dtype == torch.float32
-    assert fast.layout == ("packed" if compact.packing_available() else "transposed")
+    assert fast.layout == "tuned"
     ref = compact.target_session(model, "transformers", hidden_layers=layers)
     assert type(ref) is ModelSession
     for tokens in ([3, 14, 15, 92, 65], [35], [89, 79], [12, 34, 56]):

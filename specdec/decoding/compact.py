@@ -7,18 +7,14 @@ the same computation (RMSNorm, rotary embedding, grouped-query attention, gated 
 from the model's weights with a preallocated KV cache, so rolling back is moving an index. It
 follows a model that is still being trained (see :meth:`CompactSession.reset`).
 
-On a CPU in float32 the matrix products of one or two new tokens are computed as ``W @ x.T``:
-MKL (torch 2.13) serves a 1-row ``F.linear`` with a matrix-vector kernel that reads SmolLM2-135M's
-30 layers and head in 45 ms, while ``W @ x.T`` with two rows takes 16 ms, so one new token is
-computed as two identical rows. From three rows on (a verify of two or more drafted tokens, a
-draft tree, a prompt) that layout turns slow (a forward of 3, 5 and 9 new tokens costs 1.4, 1.6
-and 2.6 forwards of one), so there the session multiplies by a copy of each weight that oneDNN
-has reordered for small batches once (``packed``), which costs about the same from 3 to 6 rows
-(1.2-1.3 forwards of one token, 1.5 at 9). The copies are made when a session starts and take
-as much memory again as the linear weights (SmolLM2-135M: 0.3 s, peak RSS about 1 GiB more).
-These costs were measured on two cores of an x86-64 CPU with AVX-512 (AMD EPYC); on another
-CPU, run the benchmark before relying on them. In float16 ``F.linear`` is the fastest and is
-kept (``bench/compact_forward.py`` prints all three).
+How the linear layers are computed is the session's ``layout`` (:data:`LAYOUTS`). Which kernel
+reads the weights fastest differs by CPU and by row count (one new token, a verify of k + 1, a
+tree, a prompt) by up to 2x either way, so on a CPU in float32 the default, ``tuned``, times the
+kernels of :mod:`specdec.decoding.kernels` on the model's own weights when a session starts (once
+per process; SmolLM2-135M: about 3 s) and uses the fastest at each row count. Where it picks
+oneDNN's reordered weights the session keeps a reordered copy of each linear weight (as much
+memory again, refreshed with them). Elsewhere ``F.linear`` is the one kernel
+(``bench/compact_forward.py`` prints every layout side by side).
 
 Only architectures whose decoder layer is exactly that computation are accepted
 (:func:`supports`); anything else keeps the general :class:`ModelSession`.
@@ -32,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.decoding import kernels
 from specdec.decoding.session import ModelSession, full_mask, moved_tail
 from specdec.errors import ConfigError
 from specdec.layers import resolve_layer
@@ -81,58 +78,25 @@ def target_session(model, forward: str = "auto", hidden_layers: Sequence[int] = 
     return CompactSession(model, dtype=dtype, hidden_layers=hidden_layers)
 
 
-def _linear_transposed(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``F.linear`` as ``weight @ x.T`` (a single row is doubled to stay off the matrix-vector
-    kernel); the result is made contiguous so the next product sees the same layout."""
-    rows = x.reshape(-1, x.shape[-1])
-    single = rows.shape[0] == 1
-    if single:
-        rows = rows.expand(2, -1).contiguous()
-    y = weight @ rows.t()
-    y = (y[:, :1] if single else y).t().contiguous()
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
 #: the fewest rows the ``packed`` layout multiplies with its reordered weights (fewer: ``W @ x.T``)
 PACKED_FROM_ROWS = 3
-#: the batch size oneDNN reorders the weights for
-PACKED_FOR_ROWS = 4
 
-
-def packing_available() -> bool:
-    """Whether this torch has oneDNN's reordered-weight linear (CPU builds with MKL-DNN)."""
-    ops = torch.ops.mkldnn
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_linear_pointwise")
-        and hasattr(ops, "_reorder_linear_weight")
-    )
-
-
-def _linear_packed(x: torch.Tensor, weight: torch.Tensor, bias=None, packed=None) -> torch.Tensor:
-    """``F.linear`` through ``packed`` (``weight`` reordered by oneDNN) from
-    :data:`PACKED_FROM_ROWS` rows on, as :func:`_linear_transposed` below that."""
-    rows = x.reshape(-1, x.shape[-1])
-    if packed is None or rows.shape[0] < PACKED_FROM_ROWS:
-        return _linear_transposed(x, weight, bias)
-    y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
-#: how a session computes a linear layer: ``linear`` (``F.linear``), ``transposed``
-#: (``W @ x.T``) or ``packed`` (``W @ x.T`` for one or two rows, oneDNN's reordered weights
-#: from three)
-LAYOUTS = {"linear": F.linear, "transposed": _linear_transposed, "packed": _linear_packed}
+#: how a session computes a linear layer, as ``{rows: kernel}`` (:mod:`kernels`): always
+#: ``F.linear``, always ``W @ x.T``, ``packed`` (``W @ x.T`` below three rows, oneDNN's reordered
+#: weights from three: the fastest on the host it was measured on), or ``tuned`` (measured here
+#: when the session starts, :func:`kernels.measure`)
+LAYOUTS: dict[str, dict[int, str] | None] = {
+    "linear": {1: "linear"},
+    "transposed": {1: "transposed"},
+    "packed": {1: "transposed", PACKED_FROM_ROWS: "reordered"},
+    "tuned": None,
+}
 
 
 def default_layout(device: torch.device, dtype: torch.dtype) -> str:
-    """``packed`` on a CPU in float32 where oneDNN is there (``transposed`` where not),
-    ``linear`` elsewhere: the fastest measured (``bench/compact_forward.py``)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return "linear"
-    return "packed" if packing_available() else "transposed"
+    """``tuned`` on a CPU in float32, where the kernels' speeds differ by host (``linear``
+    elsewhere, where it is the one kernel)."""
+    return "tuned" if device.type == "cpu" and dtype == torch.float32 else "linear"
 
 
 def default_dtype(model) -> torch.dtype:
@@ -199,9 +163,12 @@ class CompactSession(ModelSession):
         self.layout = layout or default_layout(device, self.dtype)
         if self.layout not in LAYOUTS:
             raise ValueError(f"compact layout {self.layout!r}: expected one of {list(LAYOUTS)}")
-        if self.layout == "packed" and default_layout(device, self.dtype) != "packed":
-            raise ValueError("compact layout 'packed': needs float32 on a CPU, torch with oneDNN")
-        self.linear = LAYOUTS[self.layout]
+        uses = set((LAYOUTS[self.layout] or {}).values())
+        if "reordered" in uses and "reordered" not in kernels.kernels_for(device, self.dtype):
+            raise ValueError(
+                f"compact layout {self.layout!r}: needs float32 on a CPU, torch with oneDNN"
+            )
+        self.linear: kernels.TunedLinear | None = None
         num_layers = len(model.model.layers)
         # layer position -> the index as requested
         self._keep = {resolve_layer(i, num_layers): i for i in hidden_layers}
@@ -219,39 +186,59 @@ class CompactSession(ModelSession):
 
     @torch.no_grad()
     def _pack(self) -> None:
-        """(Re)build the session's weights when the model's parameters have changed."""
+        """(Re)build the session's weights when the model's parameters have changed, and choose
+        the kernels of its layout (the ``tuned`` one measured here, once per process)."""
         version = sum(p._version for p in self.model.parameters())
         if version == self._packed_version:
             return
-        dt, packed = self.dtype, self.layout == "packed"
-
-        def linear(module) -> tuple:
-            bias = None if module.bias is None else module.bias.detach().to(dt)
-            weight = module.weight.detach().to(dt)
-            if not packed:
-                return weight, bias
-            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
-            return weight, bias, reordered
+        dt, model = self.dtype, self.model
 
         def norm(module) -> torch.Tensor | None:
             return None if module is None else module.weight.detach().to(dt)
 
+        modules = [
+            *(
+                getattr(part, f"{n}_proj")
+                for layer in model.model.layers
+                for part, names in ((layer.self_attn, "qkvo"), (layer.mlp, ("gate", "up", "down")))
+                for n in names
+            ),
+            model.get_output_embeddings(),
+        ]
+        weights = [
+            (m.weight.detach().to(dt), None if m.bias is None else m.bias.detach().to(dt))
+            for m in modules
+        ]
+        choice, reordered = LAYOUTS[self.layout], None
+        if choice is None:
+            options = kernels.kernels_for(weights[0][0].device, dt)
+            choice = kernels.measured(weights, options)
+            if choice is None and "reordered" in options:  # timed on its reordered copies
+                reordered = [(*t, kernels.reorder(t[0])) for t in weights]
+                choice = kernels.measure(reordered, options)
+            elif choice is None:
+                choice = kernels.measure(weights, options)
+        if "reordered" in choice.values():
+            weights = reordered or [(*t, kernels.reorder(t[0])) for t in weights]
+        self.linear = kernels.TunedLinear(choice)
+        per_layer = iter(weights)
         self.layers = []
-        for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        for layer in model.model.layers:
+            attn = [next(per_layer) for _ in range(4)]
+            mlp = [next(per_layer) for _ in range(3)]
             self.layers.append(
                 _Layer(
                     norm(layer.input_layernorm),
-                    *(linear(getattr(attn, f"{n}_proj")) for n in "qkvo"),
-                    norm(getattr(attn, "q_norm", None)),
-                    norm(getattr(attn, "k_norm", None)),
+                    *attn,
+                    norm(getattr(layer.self_attn, "q_norm", None)),
+                    norm(getattr(layer.self_attn, "k_norm", None)),
                     norm(layer.post_attention_layernorm),
-                    *(linear(getattr(mlp, f"{n}_proj")) for n in ("gate", "up", "down")),
+                    *mlp,
                 )
             )
-        self.final_norm = norm(self.model.model.norm)
-        self.head = linear(self.model.get_output_embeddings())
-        self.scaling = self.model.model.layers[0].self_attn.scaling
+        self.final_norm = norm(model.model.norm)
+        self.head = next(per_layer)
+        self.scaling = model.model.layers[0].self_attn.scaling
         self._packed_version = version
 
     def _grow(self, needed: int) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from specdec.config.schema import DrafterConfig, option
 from specdec.config.validation import Invalid
-from specdec.decoding.compact import _linear_transposed
+from specdec.decoding.kernels import tuned_linear
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import eagle3_layouts, vocabulary
@@ -290,7 +290,7 @@ class Eagle3Drafter(TrainableDrafter):
         weight = self.decoder.fc.weight
         cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
         fast = cpu32 and self.forward != "transformers"
-        self.linear = _linear_transposed if fast else torch.nn.functional.linear
+        self.linear = tuned_linear(self.decoder) if fast else torch.nn.functional.linear
         self.cache = DraftCache(self.decoder, weight.dtype)
         self.verified = 0  # cache entries made from the target's features (step 0)
         self.pending = self._fuse(target_features)  # [m, H] features not yet entered

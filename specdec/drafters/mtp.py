@@ -28,7 +28,7 @@ import torch
 
 from specdec.config.schema import DrafterConfig, option
 from specdec.config.validation import Invalid
-from specdec.decoding.compact import _linear_transposed
+from specdec.decoding.kernels import tuned_linear
 from specdec.decoding.sampling import SamplingParams
 from specdec.decoding.session import Clock
 from specdec.drafters import mtp_layouts, vocabulary
@@ -234,7 +234,7 @@ class MTPDrafter(TrainableDrafter):
         self.decoder = self._copy.get(self.model, decoding_dtype(self.forward, weight))
         cpu32 = weight.device.type == "cpu" and self.decoder.dtype == torch.float32
         fast = cpu32 and self.forward != "transformers"
-        self.linear = _linear_transposed if fast else torch.nn.functional.linear
+        self.linear = tuned_linear(self.decoder) if fast else torch.nn.functional.linear
         self.caches = [ModuleCache(self.decoder) for _ in self.model.depths]
         # outs[0]: the target's features of the verified positions; outs[k]: module k's outputs
         size, dtype = self.model.cfg["hidden_size"], self.decoder.dtype

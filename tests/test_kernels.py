@@ -1,0 +1,116 @@
+"""The decoding forward's matrix products: every kernel is the product, the measured choice is
+the fastest at each row count, and a session uses it at that row count."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.decoding import compact, kernels
+
+
+@pytest.mark.parametrize("name", kernels.kernels_for(torch.device("cpu"), torch.float32))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 40])
+def test_every_kernel_is_the_product(name, rows):
+    """Checked in float64, with and without a bias, flat and batched inputs."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(rows, 24), torch.randn(40, 24), torch.randn(40)
+    packed = kernels.reorder(weight) if name == "reordered" else None
+    expected = (x.double() @ weight.double().t()).float()
+    for b in (bias, None):
+        out = kernels.KERNELS[name](x.view(1, rows, 24), weight, b, packed)
+        assert out.shape == (1, rows, 40) and out.is_contiguous()
+        want = expected + bias if b is not None else expected
+        torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
+
+
+def _slow_unless(fast_rows):
+    """``F.linear`` that sleeps 3 ms a call at row counts outside ``fast_rows``."""
+
+    def kernel(x, weight, bias=None, packed=None):
+        if x.numel() // x.shape[-1] not in fast_rows:
+            time.sleep(0.003)
+        return F.linear(x, weight, bias)
+
+    return kernel
+
+
+def test_measure_picks_the_fastest_kernel_at_each_row_count():
+    """Two kernels, each slow where the other is fast: the choice follows the planted speeds,
+    and the process remembers it."""
+    table = {"small": _slow_unless({1, 2}), "large": _slow_unless({4, 8, 16})}
+    torch.manual_seed(0)
+    weights = [(torch.randn(16, 8), None), (torch.randn(8, 16), torch.randn(8))]
+    choice = kernels.measure(weights, ("small", "large"), rows=(1, 2, 4, 8), table=table)
+    assert choice == {1: "small", 2: "small", 4: "large", 8: "large"}
+    assert kernels.measured(weights, ("small", "large")) == choice
+    assert kernels.measured(weights, ("large", "small")) is None  # other kernels: not measured
+
+
+def test_tuned_linear_takes_the_kernel_of_the_nearest_measured_row_count_below():
+    called = []
+
+    def recording(name):
+        def kernel(x, weight, bias=None, packed=None):
+            called.append(name)
+            return F.linear(x, weight, bias)
+
+        return kernel
+
+    table = {n: recording(n) for n in "abc"}
+    tuned = kernels.TunedLinear({3: "b", 1: "a", 8: "c"}, table=table)
+    torch.manual_seed(0)
+    weight = torch.randn(5, 4)
+    for rows in (1, 2, 3, 7, 8, 50):
+        x = torch.randn(1, rows, 4)
+        torch.testing.assert_close(tuned(x, weight), x @ weight.t())
+    assert called == ["a", "a", "b", "b", "c", "c"]
+    assert tuned.uses == {"a", "b", "c"}
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def test_a_tuned_session_measures_once_per_process_and_keeps_reordered_weights_only_if_used(
+    monkeypatch,
+):
+    model = _llama()
+    first = compact.CompactSession(model, torch.float32, layout="tuned")
+    measured = first.linear.choice
+    assert set(measured) == set(kernels.TUNED_ROWS)
+    assert first.linear.uses <= set(kernels.kernels_for(torch.device("cpu"), torch.float32))
+
+    def no_second_measure(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(kernels, "measure", no_second_measure)
+    second = compact.CompactSession(_llama(), torch.float32, layout="tuned")
+    assert second.linear.choice == measured
+    tuples = [second.head, *(t for layer in second.layers for t in (layer.q, layer.down))]
+    assert {len(t) for t in tuples} == ({3} if "reordered" in measured.values() else {2})
+
+
+def test_fixed_layouts_keep_reordered_weights_only_where_they_use_them():
+    model = _llama()
+    assert len(compact.CompactSession(model, torch.float32, layout="transposed").head) == 2
+    if kernels.packing_available():
+        assert len(compact.CompactSession(model, torch.float32, layout="packed").head) == 3
+
+
+def test_a_small_head_gets_a_tuned_linear_without_reordered_weights():
+    head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4, bias=False))
+    tuned = kernels.tuned_linear(head)
+    assert set(tuned.choice) == set(kernels.TUNED_ROWS)
+    assert tuned.uses <= {"linear", "transposed"}
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(tuned(x, head[0].weight, head[0].bias), head[0](x))
