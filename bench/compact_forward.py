@@ -1,6 +1,7 @@
 """The target's cached forward over m = 1..k+1 new tokens: transformers vs specdec's compact
-forward, with each matrix-product layout (``F.linear``, ``W @ x.T``, and on a CPU oneDNN's
-reordered weights from three rows on), one run. Not a test: a measurement.
+forward, with each matrix-product layout (``F.linear``, ``W @ x.T``, on a CPU oneDNN's
+reordered weights from three rows on, and the kernels measured on this host per row count,
+the default), one run. Not a test: a measurement.
 
 Prints milliseconds per forward and each method's ratio to transformers at the same m, and the
 verify cost ratio v(m) = t(m) / t(1) that bounds what speculative decoding can gain.
@@ -15,12 +16,12 @@ import argparse
 
 import torch
 
-from specdec.decoding import compact
+from specdec.decoding import compact, kernels
 from specdec.decoding.session import ModelSession
 from specdec.scoring.run import cost_profile
 from specdec.target import FrozenTarget
 
-LABELS = {"linear": "F.linear", "transposed": "W @ x.T", "packed": "packed"}
+LABELS = {"linear": "F.linear", "transposed": "W @ x.T", "packed": "packed", "tuned": "tuned"}
 
 
 def main() -> None:
@@ -36,9 +37,9 @@ def main() -> None:
     model, dtype = target.model, getattr(torch, args.dtype)
     prompt = [(13 * i) % 1000 + 100 for i in range(args.prompt_tokens)]
     sessions = {"transformers": ModelSession(model)}
-    packs = compact.default_layout(target.device, dtype) == "packed"  # where it can run
+    runs = set(kernels.kernels_for(target.device, dtype)) | {"transposed"}
     for layout, label in LABELS.items():
-        if layout != "packed" or packs:
+        if set((compact.LAYOUTS[layout] or {}).values()) <= runs:
             sessions[f"compact, {label}"] = compact.CompactSession(model, dtype, layout=layout)
     results = {}
     for name, session in sessions.items():
@@ -47,6 +48,7 @@ def main() -> None:
     chosen = compact.target_session(model)
     default = type(chosen).__name__
     layout = LABELS.get(getattr(chosen, "layout", None), "-")
+    tuned = getattr(sessions.get("compact, tuned"), "linear", None)
     print(
         f"target {target.name} ({args.dtype}, {target.device}), {args.prompt_tokens} cached "
         f"tokens, threads {torch.get_num_threads()}; target_session uses {default} ({layout})"
@@ -59,6 +61,8 @@ def main() -> None:
     for name, t in results.items():
         ratios = "".join(f"{t[m] / results['transformers'][m]:>8.2f}x" for m in ms)
         print(f"  {name:<20}" + ratios)
+    if tuned is not None:
+        print("tuned kernels: " + ", ".join(f"{m} rows {k}" for m, k in tuned.choice.items()))
     print(f"{'v(m) = t(m) / t(1)':<22}")
     for name, t in results.items():
         print(f"  {name:<20}" + "".join(f"{t[m] / t[1]:>9.2f}" for m in ms))
