@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.decoding import compact, kernels
+from specdec.drafters.base import decoding_dtype
 
 
 @pytest.mark.parametrize("name", kernels.kernels_for(torch.device("cpu"), torch.float32))
@@ -45,10 +46,12 @@ def test_measure_picks_the_fastest_kernel_at_each_row_count():
     table = {"small": _slow_unless({1, 2}), "large": _slow_unless({4, 8, 16})}
     torch.manual_seed(0)
     weights = [(torch.randn(16, 8), None), (torch.randn(8, 16), torch.randn(8))]
-    choice = kernels.measure(weights, ("small", "large"), rows=(1, 2, 4, 8), table=table)
+    rows = (1, 2, 4, 8)
+    choice = kernels.measure(weights, ("small", "large"), rows=rows, table=table)
     assert choice == {1: "small", 2: "small", 4: "large", 8: "large"}
-    assert kernels.measured(weights, ("small", "large")) == choice
-    assert kernels.measured(weights, ("large", "small")) is None  # other kernels: not measured
+    assert kernels.measured(weights, ("small", "large"), rows) == choice
+    assert kernels.measured(weights, ("large", "small"), rows) is None  # other kernels
+    assert kernels.measured(weights, ("small", "large"), (1, 2)) is None  # other row counts
 
 
 def test_tuned_linear_takes_the_kernel_of_the_nearest_measured_row_count_below():
@@ -114,3 +117,34 @@ def test_a_small_head_gets_a_tuned_linear_without_reordered_weights():
     assert tuned.uses <= {"linear", "transposed"}
     x = torch.randn(3, 8)
     torch.testing.assert_close(tuned(x, head[0].weight, head[0].bias), head[0](x))
+
+
+def _slow_in(dtype):
+    """``F.linear`` that sleeps 3 ms a call in ``dtype``."""
+
+    def kernel(x, weight, bias=None, packed=None):
+        if x.dtype == dtype:
+            time.sleep(0.003)
+        return F.linear(x, weight, bias)
+
+    return kernel
+
+
+@pytest.mark.parametrize("slow", [torch.float16, torch.float32])
+def test_the_decoding_dtype_is_the_one_measured_faster(slow):
+    """The kernels planted slow in one dtype: the other is chosen, and remembered."""
+    table = dict.fromkeys(["linear", "transposed", "reordered"], _slow_in(slow))
+    width = 8 if slow == torch.float16 else 12  # the choice is remembered per weight shapes
+    head = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.Linear(16, 4))
+    expected = torch.float32 if slow == torch.float16 else torch.float16
+    assert kernels.fastest_dtype(head, (torch.float16, torch.float32), table=table) == expected
+    assert kernels.fastest_dtype(head, (torch.float16, torch.float32)) == expected
+
+
+def test_auto_decodes_in_a_measured_dtype_and_a_named_dtype_is_kept():
+    head = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Linear(24, 4))
+    auto = decoding_dtype("auto", head)
+    assert auto == kernels.fastest_dtype(head, (torch.float16, torch.float32))
+    assert decoding_dtype("float16", head) == torch.float16
+    assert decoding_dtype("transformers", head) == torch.float32
+    assert decoding_dtype("auto", head.to(torch.float16)) == torch.float16

@@ -280,10 +280,11 @@ class EvalConfig:
     warmup_prompts: int = _opt(1, "Prompts run first and left out of timings.", ge=0)
     draft_forward: Literal["auto", "transformers", "float32", "float16", "bfloat16"] = _opt(
         "auto",
-        "How the drafter's own network runs while decoding: auto is float16 on a CPU (a draft "
-        "model through specdec's compact forward where the architecture has one; heads that "
-        "read the target's hidden states through a layer of their own from a float16 copy "
-        "of their weights), its own dtype elsewhere; a dtype names one; transformers "
+        "How the drafter's own network runs while decoding: auto is, on a CPU, "
+        "float16 or the network's dtype, whichever multiplies its weights faster there "
+        "(measured once per process; a draft model through specdec's compact forward where "
+        "the architecture has one, heads from a copy of their weights), its own dtype "
+        "elsewhere; a dtype names one; transformers "
         "is the network's own forward in its own dtype. Exact in any of them.",
     )
     draft_confidence: float = _opt(

@@ -94,16 +94,19 @@ LAYOUTS: dict[str, dict[int, str] | None] = {
 
 
 def default_layout(device: torch.device, dtype: torch.dtype) -> str:
-    """``tuned`` on a CPU in float32, where the kernels' speeds differ by host (``linear``
-    elsewhere, where it is the one kernel)."""
-    return "tuned" if device.type == "cpu" and dtype == torch.float32 else "linear"
+    """``tuned`` on a CPU, where the kernels' speeds differ by host (``linear`` elsewhere,
+    where it is the one kernel)."""
+    return "tuned" if device.type == "cpu" else "linear"
 
 
 def default_dtype(model) -> torch.dtype:
-    """float16 on a CPU (a draft step there is bound by reading the weights, and float16 halves
-    them), the model's own dtype elsewhere."""
+    """On a CPU, float16 or the model's own dtype, whichever decodes one token faster here
+    (:func:`kernels.fastest_dtype`: a draft step there is bound by reading the weights); the
+    model's own dtype elsewhere."""
     weight = model.get_input_embeddings().weight
-    return torch.float16 if weight.device.type == "cpu" else weight.dtype
+    if weight.device.type != "cpu" or weight.dtype == torch.float16:
+        return weight.dtype
+    return kernels.fastest_dtype(model, (torch.float16, weight.dtype))
 
 
 @dataclass

@@ -5,8 +5,8 @@ A decoding step of a small model on a CPU is bound by reading its weights, so it
 many sequences at once; the session's kernels are measured per row count
 (:mod:`specdec.decoding.kernels`), and for a batch of rows oneDNN's reordered weights are often
 the fastest (on two cores of an AMD EPYC SmolLM2-135M's linear layers took about 40 ms for 16
-rows that way against 85 ms through ``F.linear``, which transformers' forward uses; 45 against
-about 50 ms on an Intel Xeon with AMX).
+rows that way against 85 ms through ``F.linear``, which transformers' forward uses; 45 ms on
+an Intel Xeon with AMX).
 
 :class:`CompactBatch` keeps ``slots`` sequences in one preallocated cache. Each slot holds its
 own sequence from cache column 0 with its own length, so sequences of different lengths need

@@ -89,44 +89,42 @@ KERNELS: dict[str, Callable] = {
 
 
 def kernels_for(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """The kernels worth timing for weights on ``device`` in ``dtype``: all three on a CPU in
-    float32 (``reordered`` where oneDNN is there), ``F.linear`` alone elsewhere."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """The kernels worth timing for weights on ``device`` in ``dtype``: on a CPU ``F.linear``
+    and ``W @ x.T``, in float32 also oneDNN's reordered weights where it is there; elsewhere
+    ``F.linear`` alone."""
+    if device.type != "cpu":
         return ("linear",)
-    return ("linear", "transposed") + (("reordered",) if packing_available() else ())
+    packs = dtype == torch.float32 and packing_available()
+    return ("linear", "transposed") + (("reordered",) if packs else ())
 
 
-# measured choices, one per host process: (device, dtype, threads, kernels, weight shapes) ->
-# {rows: kernel}; timing depends on nothing else, and retiming costs seconds
+# measured choices, one per host process: (device, dtype, threads, kernels, rows, weight
+# shapes) -> {rows: kernel}; timing depends on nothing else, and retiming costs seconds
 _MEASURED: dict[tuple, dict[int, str]] = {}
+# the same for the decoding dtype: (device, threads, dtypes, weight shapes) -> dtype
+_DTYPES: dict[tuple, torch.dtype] = {}
 
 
-def _key(weights: Sequence[tuple], kernels: Sequence[str]) -> tuple:
+def _shapes(weights: Sequence[tuple]) -> frozenset:
+    return frozenset(Counter((tuple(t[0].shape), t[1] is not None) for t in weights).items())
+
+
+def _key(weights: Sequence[tuple], kernels: Sequence[str], rows: Sequence[int]) -> tuple:
     w = weights[0][0]
-    shapes = Counter((tuple(t[0].shape), t[1] is not None) for t in weights)
     threads = torch.get_num_threads()
-    return (str(w.device), w.dtype, threads, tuple(kernels), frozenset(shapes.items()))
+    return (str(w.device), w.dtype, threads, tuple(kernels), tuple(rows), _shapes(weights))
 
 
-def measured(weights: Sequence[tuple], kernels: Sequence[str]) -> dict[int, str] | None:
+def measured(
+    weights: Sequence[tuple], kernels: Sequence[str], rows: Sequence[int] = TUNED_ROWS
+) -> dict[int, str] | None:
     """The choice already measured in this process for these weights' shapes, if any."""
-    return _MEASURED.get(_key(weights, kernels))
+    return _MEASURED.get(_key(weights, kernels, rows))
 
 
-def measure(
-    weights: Sequence[tuple],
-    kernels: Sequence[str],
-    rows: Sequence[int] = TUNED_ROWS,
-    repeats: int = 2,
-    table: dict[str, Callable] = KERNELS,
-) -> dict[int, str]:
-    """For each row count, the kernel of ``kernels`` that computes every product of
-    ``weights`` (tuples ``(weight, bias[, reordered weight])``) in the least time, each kernel
-    timed ``repeats`` times in turn on the same random inputs (the fastest run counts, so a
-    first call's setup does not). Remembered for the process (:func:`measured`)."""
-    key = _key(weights, kernels)
-    if len(kernels) == 1:
-        return _MEASURED.setdefault(key, dict.fromkeys(rows, kernels[0]))
+def _timings(weights, kernels, rows, repeats, table) -> dict[tuple[int, str], float]:
+    """``{(rows, kernel): seconds}``: the fastest of ``repeats`` runs of every product of
+    ``weights`` through the kernel, the kernels taking turns on the same random inputs."""
     w = weights[0][0]
     gen = torch.Generator(device=w.device).manual_seed(0)
     best = {(m, k): float("inf") for m in rows for k in kernels}
@@ -146,6 +144,25 @@ def measure(
                     for weight, bias, *packed in weights:
                         kernel(x[weight.shape[1]], weight, bias, *packed)
                     best[m, k] = min(best[m, k], time.perf_counter() - start)
+    return best
+
+
+def measure(
+    weights: Sequence[tuple],
+    kernels: Sequence[str],
+    rows: Sequence[int] = TUNED_ROWS,
+    repeats: int = 2,
+    table: dict[str, Callable] = KERNELS,
+) -> dict[int, str]:
+    """For each row count, the kernel of ``kernels`` that computes every product of
+    ``weights`` (tuples ``(weight, bias[, reordered weight])``) in the least time, each kernel
+    timed ``repeats`` times (the fastest run counts, so a first call's setup does not; CPU
+    kernels only: the clock is not synchronised with a device). Remembered for the process
+    (:func:`measured`)."""
+    key = _key(weights, kernels, rows)
+    if len(kernels) == 1:
+        return _MEASURED.setdefault(key, dict.fromkeys(rows, kernels[0]))
+    best = _timings(weights, kernels, rows, repeats, table)
     choice = {m: min(kernels, key=lambda k, m=m: best[m, k]) for m in rows}
     logger.info(
         "matrix products of %d weights: %s (measured on this host)",
@@ -154,6 +171,40 @@ def measure(
     )
     _MEASURED[key] = choice
     return choice
+
+
+def fastest_dtype(
+    module: torch.nn.Module,
+    dtypes: Sequence[torch.dtype],
+    repeats: int = 3,
+    table: dict[str, Callable] = KERNELS,
+) -> torch.dtype:
+    """Of ``dtypes``, the one in which ``module``'s ``nn.Linear`` products of one row (a
+    drafter's decoding step) take the least time on this CPU, each dtype through its fastest
+    kernel (reordered weights aside). Measured once per process for these weight shapes.
+
+    A draft step on a CPU is bound by reading its weights, so float16 halves it where the CPU
+    multiplies float16 as fast as float32 (an AMD EPYC: c 0.157 -> 0.059 for the reference
+    draft model), and loses where its float32 kernels are the faster (an Intel Xeon with AMX)."""
+    layers = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    pairs = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers]
+    device = pairs[0][0].device
+    key = (str(device), torch.get_num_threads(), tuple(dtypes), _shapes(pairs))
+    if key not in _DTYPES:
+        seconds = {}
+        for dt in dtypes:
+            weights = [(w.to(dt), None if b is None else b.to(dt)) for w, b in pairs]
+            kernels = [k for k in kernels_for(device, dt) if k != "reordered"]
+            times = _timings(weights, kernels, (1,), repeats, table)
+            seconds[dt] = min(times.values())
+        _DTYPES[key] = min(dtypes, key=seconds.get)
+        logger.info(
+            "decoding dtype of %d weights: %s (one row: %s; measured on this host)",
+            len(pairs),
+            _DTYPES[key],
+            ", ".join(f"{dt} {1000 * t:.2f} ms" for dt, t in seconds.items()),
+        )
+    return _DTYPES[key]
 
 
 class TunedLinear:

@@ -28,12 +28,14 @@ from pathlib import Path
 
 import torch
 
+from specdec.decoding import kernels
 from specdec.decoding.sampling import SamplingParams, probabilities, sample
 from specdec.sparse_teacher import SparseTeacher
 
-#: how a drafter's own forward runs while decoding: auto (float16 on a CPU, where a draft step
-#: is bound by reading the weights; its own dtype elsewhere), a dtype (a converted copy of the
-#: weights), or transformers (its own weights as they are)
+#: how a drafter's own forward runs while decoding: auto (on a CPU, where a draft step is bound
+#: by reading the weights, float16 or its own dtype, whichever is measured faster there; its
+#: own dtype elsewhere), a dtype (a converted copy of the weights), or transformers (its own
+#: weights as they are)
 FORWARDS = ("auto", "transformers", "float32", "float16", "bfloat16")
 
 
@@ -50,12 +52,13 @@ def checked_forward(forward: str) -> str:
     return forward
 
 
-def decoding_dtype(forward: str, weight: torch.Tensor) -> torch.dtype:
-    """The dtype a drafter whose weights are like ``weight`` decodes in under ``forward``."""
+def decoding_dtype(forward: str, module: torch.nn.Module) -> torch.dtype:
+    """The dtype the drafter network ``module`` decodes in under ``forward``."""
     if forward in ("float32", "float16", "bfloat16"):
         return getattr(torch, forward)
-    if forward == "auto" and weight.device.type == "cpu":
-        return torch.float16
+    weight = next(module.parameters())
+    if forward == "auto" and weight.device.type == "cpu" and weight.dtype != torch.float16:
+        return kernels.fastest_dtype(module, (torch.float16, weight.dtype))
     return weight.dtype
 
 

@@ -256,9 +256,10 @@ class DraftModelDrafter(TrainableDrafter):
         """Choose how the draft runs while decoding (one of :data:`DRAFT_FORWARDS`).
 
         The compact forward (:mod:`specdec.decoding.compact`) computes what the model computes
-        from a copy of its weights, by default in float16 on a CPU, where a draft step is bound
-        by reading the weights; the distributions it reports are the ones it sampled from, so
-        decoding stays exact whatever the dtype.
+        from a copy of its weights, by default on a CPU in float16 or its own dtype, whichever
+        multiplies its weights faster there (a draft step is bound by reading them); the
+        distributions it reports are the ones it sampled from, so decoding stays exact
+        whatever the dtype.
 
         Raises:
             ConfigError: an unknown choice, or a dtype for an architecture without the compact

@@ -288,8 +288,7 @@ class Eagle3Drafter(TrainableDrafter):
         self.model.eval()
         self.decoder = self._decoder()
         weight = self.decoder.fc.weight
-        cpu32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        fast = cpu32 and self.forward != "transformers"
+        fast = weight.device.type == "cpu" and self.forward != "transformers"
         self.linear = tuned_linear(self.decoder) if fast else torch.nn.functional.linear
         self.cache = DraftCache(self.decoder, weight.dtype)
         self.verified = 0  # cache entries made from the target's features (step 0)
@@ -297,7 +296,7 @@ class Eagle3Drafter(TrainableDrafter):
 
     def _decoder(self) -> Eagle3Model:
         """The head that decodes: the trained one, or a copy in the decoding dtype."""
-        return self._copy.get(self.model, decoding_dtype(self.forward, self.model.fc.weight))
+        return self._copy.get(self.model, decoding_dtype(self.forward, self.model))
 
     @torch.inference_mode()
     def _fuse(self, features: dict | None) -> torch.Tensor:

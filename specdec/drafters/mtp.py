@@ -227,13 +227,12 @@ class MTPDrafter(TrainableDrafter):
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         """Start a sequence with the modules that decode: the trained ones, or a copy in the
-        decoding dtype (by default float16 on a CPU, where a draft step is bound by reading
-        the weights)."""
+        decoding dtype (by default, on a CPU, float16 or float32, whichever is measured faster
+        there: a draft step is bound by reading the weights)."""
         self.model.eval()
         weight = self.model.depths[0].eh_proj.weight
-        self.decoder = self._copy.get(self.model, decoding_dtype(self.forward, weight))
-        cpu32 = weight.device.type == "cpu" and self.decoder.dtype == torch.float32
-        fast = cpu32 and self.forward != "transformers"
+        self.decoder = self._copy.get(self.model, decoding_dtype(self.forward, self.model))
+        fast = weight.device.type == "cpu" and self.forward != "transformers"
         self.linear = tuned_linear(self.decoder) if fast else torch.nn.functional.linear
         self.caches = [ModuleCache(self.decoder) for _ in self.model.depths]
         # outs[0]: the target's features of the verified positions; outs[k]: module k's outputs
