@@ -9,12 +9,12 @@ follows a model that is still being trained (see :meth:`CompactSession.reset`).
 
 How the linear layers are computed is the session's ``layout`` (:data:`LAYOUTS`). Which kernel
 reads the weights fastest differs by CPU and by row count (one new token, a verify of k + 1, a
-tree, a prompt) by up to 2x either way, so on a CPU in float32 the default, ``tuned``, times the
-kernels of :mod:`specdec.decoding.kernels` on the model's own weights when a session starts (once
-per process; SmolLM2-135M: about 3 s) and uses the fastest at each row count. Where it picks
-oneDNN's reordered weights the session keeps a reordered copy of each linear weight (as much
-memory again, refreshed with them). Elsewhere ``F.linear`` is the one kernel
-(``bench/compact_forward.py`` prints every layout side by side).
+tree, a prompt) by up to 2x either way, so on a CPU the default, ``tuned``, times the kernels of
+:mod:`specdec.decoding.kernels` (in float32 also oneDNN's reordered weights) on the model's own
+weights when a session starts (once per process; SmolLM2-135M: about 3 s) and uses the fastest
+at each row count. Where it picks the reordered weights the session keeps a reordered copy of
+each linear weight (as much memory again, refreshed with them). Elsewhere ``F.linear`` is the
+one kernel (``bench/compact_forward.py`` prints every layout side by side).
 
 Only architectures whose decoder layer is exactly that computation are accepted
 (:func:`supports`); anything else keeps the general :class:`ModelSession`.
