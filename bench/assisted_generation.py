@@ -6,7 +6,8 @@ identity with plain greedy decoding is checked for each method. specdec runs its
 transformers' forward (as transformers' own methods do) and through its compact forward (its
 default, see ``bench/compact_forward.py``), so each speculative ratio has its own plain
 baseline beside it. The draft runs through its transformers forward or the compact one
-(float16 on a CPU), with all k tokens or with a confidence stop. Not a test: a measurement.
+(float16 or float32 on a CPU, whichever is measured faster), with all k tokens or with a
+confidence stop. Not a test: a measurement.
 
     python bench/assisted_generation.py                         # draft: target's first 4 layers
     python bench/assisted_generation.py --draft-model runs/NAME/export/hf --k 4
@@ -89,7 +90,7 @@ def main() -> None:
         return drafter
 
     hf_forward = as_drafter("transformers")
-    compact = as_drafter("auto")  # the default: compact forward (float16 on CPU)
+    compact = as_drafter("auto")  # the default: compact forward (a measured dtype on a CPU)
     confident = as_drafter("auto", args.confidence)
     lookup = drafters.build(target, drafters.config_for(drafters.training_free()[0]))
     methods = {

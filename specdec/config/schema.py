@@ -283,9 +283,9 @@ class EvalConfig:
         "How the drafter's own network runs while decoding: auto is, on a CPU, "
         "float16 or the network's dtype, whichever multiplies its weights faster there "
         "(measured once per process; a draft model through specdec's compact forward where "
-        "the architecture has one, heads from a copy of their weights), its own dtype "
-        "elsewhere; a dtype names one; transformers "
-        "is the network's own forward in its own dtype. Exact in any of them.",
+        "the architecture has one; a float16 copy of the weights where float16 wins), its own "
+        "dtype elsewhere; a dtype names one; transformers is the network's own forward in its "
+        "own dtype. Exact in any of them.",
     )
     draft_confidence: float = _opt(
         0.0,

@@ -93,7 +93,7 @@ LAYOUTS: dict[str, dict[int, str] | None] = {
 }
 
 
-def default_layout(device: torch.device, dtype: torch.dtype) -> str:
+def default_layout(device: torch.device) -> str:
     """``tuned`` on a CPU, where the kernels' speeds differ by host (``linear`` elsewhere,
     where it is the one kernel)."""
     return "tuned" if device.type == "cpu" else "linear"
@@ -163,7 +163,7 @@ class CompactSession(ModelSession):
         self.capacity = capacity
         self._packed_version: int | None = None
         device = next(model.parameters()).device
-        self.layout = layout or default_layout(device, self.dtype)
+        self.layout = layout or default_layout(device)
         if self.layout not in LAYOUTS:
             raise ValueError(f"compact layout {self.layout!r}: expected one of {list(LAYOUTS)}")
         uses = set((LAYOUTS[self.layout] or {}).values())

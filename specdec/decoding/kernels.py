@@ -158,10 +158,12 @@ def measure(
     ``weights`` (tuples ``(weight, bias[, reordered weight])``) in the least time, each kernel
     timed ``repeats`` times (the fastest run counts, so a first call's setup does not; CPU
     kernels only: the clock is not synchronised with a device). Remembered for the process
-    (:func:`measured`)."""
+    (:func:`measured`) unless ``table`` is not :data:`KERNELS`."""
     key = _key(weights, kernels, rows)
     if len(kernels) == 1:
         return _MEASURED.setdefault(key, dict.fromkeys(rows, kernels[0]))
+    if weights[0][0].device.type != "cpu":
+        raise ValueError("kernels are timed on a CPU only (the clock does not wait for a device)")
     best = _timings(weights, kernels, rows, repeats, table)
     choice = {m: min(kernels, key=lambda k, m=m: best[m, k]) for m in rows}
     logger.info(
@@ -169,42 +171,62 @@ def measure(
         len(weights),
         ", ".join(f"{m} rows {k} {1000 * best[m, k]:.1f} ms" for m, k in choice.items()),
     )
-    _MEASURED[key] = choice
+    if table is KERNELS:  # (planted kernels, in tests, are not remembered)
+        _MEASURED[key] = choice
     return choice
+
+
+def products(module: torch.nn.Module) -> list[tuple]:
+    """``(weight, bias)`` of every matrix product of ``module``'s decoding step: its
+    ``nn.Linear`` layers, and the LM head it reads out through when that is borrowed from the
+    target (``module.borrowed_head``: not a submodule, yet the largest product)."""
+    layers = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    head = getattr(module, "borrowed_head", None)
+    if head is not None:
+        layers.append(head)
+    pairs = [(m.weight, getattr(m, "bias", None)) for m in layers]
+    return [(w.detach(), b if b is None else b.detach()) for w, b in pairs]
 
 
 def fastest_dtype(
     module: torch.nn.Module,
     dtypes: Sequence[torch.dtype],
+    kernels: Sequence[str] | None = None,
     repeats: int = 3,
     table: dict[str, Callable] = KERNELS,
 ) -> torch.dtype:
-    """Of ``dtypes``, the one in which ``module``'s ``nn.Linear`` products of one row (a
-    drafter's decoding step) take the least time on this CPU, each dtype through its fastest
-    kernel (reordered weights aside). Measured once per process for these weight shapes.
+    """Of ``dtypes``, the one in which the products of ``module``'s decoding step
+    (:func:`products`) of one row take the least time on this CPU, each dtype through its
+    fastest of ``kernels`` (default: every one it has but the reordered weights). Measured once
+    per process for these weight shapes; off a CPU, the module's own dtype.
 
     A draft step on a CPU is bound by reading its weights, so float16 halves it where the CPU
     multiplies float16 as fast as float32 (an AMD EPYC: c 0.157 -> 0.059 for the reference
     draft model), and loses where its float32 kernels are the faster (an Intel Xeon with AMX)."""
-    layers = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
-    pairs = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers]
+    pairs = products(module)
     device = pairs[0][0].device
-    key = (str(device), torch.get_num_threads(), tuple(dtypes), _shapes(pairs))
-    if key not in _DTYPES:
-        seconds = {}
-        for dt in dtypes:
-            weights = [(w.to(dt), None if b is None else b.to(dt)) for w, b in pairs]
-            kernels = [k for k in kernels_for(device, dt) if k != "reordered"]
-            times = _timings(weights, kernels, (1,), repeats, table)
-            seconds[dt] = min(times.values())
-        _DTYPES[key] = min(dtypes, key=seconds.get)
-        logger.info(
-            "decoding dtype of %d weights: %s (one row: %s; measured on this host)",
-            len(pairs),
-            _DTYPES[key],
-            ", ".join(f"{dt} {1000 * t:.2f} ms" for dt, t in seconds.items()),
-        )
-    return _DTYPES[key]
+    if device.type != "cpu":
+        return pairs[0][0].dtype
+    names = tuple(kernels or ())
+    key = (str(device), torch.get_num_threads(), tuple(dtypes), names, _shapes(pairs))
+    if key in _DTYPES:
+        return _DTYPES[key]
+    seconds = {}
+    for dt in dtypes:
+        weights = [(w.to(dt), None if b is None else b.to(dt)) for w, b in pairs]
+        usable = [k for k in kernels_for(device, dt) if k != "reordered"]
+        usable = [k for k in usable if k in names] if names else usable
+        seconds[dt] = min(_timings(weights, usable, (1,), repeats, table).values())
+    fastest = min(dtypes, key=seconds.get)
+    logger.info(
+        "decoding dtype of %d weights: %s (one row: %s; measured on this host)",
+        len(pairs),
+        fastest,
+        ", ".join(f"{dt} {1000 * t:.2f} ms" for dt, t in seconds.items()),
+    )
+    if table is KERNELS:
+        _DTYPES[key] = fastest
+    return fastest
 
 
 class TunedLinear:
@@ -237,10 +259,9 @@ class TunedLinear:
 
 def tuned_linear(module: torch.nn.Module) -> TunedLinear:
     """The fastest ``F.linear`` (without reordered weights) for the products of ``module``'s
-    ``nn.Linear`` layers on this host: for a small head that decodes on weights still being
-    trained, where reordered copies would go stale."""
-    layers = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
-    weight = layers[0].weight
+    decoding step (:func:`products`) on this host: for a small head that decodes on weights
+    still being trained, where reordered copies would go stale."""
+    weights = products(module)
+    weight = weights[0][0]
     kernels = tuple(k for k in kernels_for(weight.device, weight.dtype) if k != "reordered")
-    weights = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers]
     return TunedLinear(measured(weights, kernels) or measure(weights, kernels))

@@ -52,13 +52,17 @@ def checked_forward(forward: str) -> str:
     return forward
 
 
-def decoding_dtype(forward: str, module: torch.nn.Module) -> torch.dtype:
-    """The dtype the drafter network ``module`` decodes in under ``forward``."""
+def decoding_dtype(
+    forward: str, module: torch.nn.Module, kernels_used: Sequence[str] | None = None
+) -> torch.dtype:
+    """The dtype the drafter network ``module`` decodes in under ``forward``; ``auto``
+    measures which is faster on a CPU through ``kernels_used`` (default: the fastest of them,
+    as :func:`kernels.tuned_linear` picks)."""
     if forward in ("float32", "float16", "bfloat16"):
         return getattr(torch, forward)
     weight = next(module.parameters())
     if forward == "auto" and weight.device.type == "cpu" and weight.dtype != torch.float16:
-        return kernels.fastest_dtype(module, (torch.float16, weight.dtype))
+        return kernels.fastest_dtype(module, (torch.float16, weight.dtype), kernels_used)
     return weight.dtype
 
 

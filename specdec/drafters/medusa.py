@@ -13,8 +13,8 @@ Training face: S = K steps, step s at row t predicts token t + 2 + s from the ta
 loss weight of head s is ``decay ** s``.
 
 Decoding face: the heads read the target's features of the last verified position (the
-verify forward computed them): small products, no model forward (on a CPU from a copy in
-float16 or float32, whichever is measured faster there, ``eval.draft_forward``). A chain takes
+verify forward computed them): small products, no model forward (on a CPU in float16 or the
+heads' own dtype, whichever is measured faster there, ``eval.draft_forward``). A chain takes
 head i's token at depth i + 1, running head i only when it drafts that depth; a tree (Medusa's
 static "choices", or dynamic by path probability) gives every node at depth d the children of
 head d. q at depth d is head d's processed distribution whatever the tokens before it, a valid
@@ -362,7 +362,7 @@ class MedusaDrafter(TrainableDrafter):
 
     def begin(self, prompt: Sequence[int], target_features: dict | None = None) -> None:
         self.model.eval()
-        dtype = decoding_dtype(self.forward, self.model)
+        dtype = decoding_dtype(self.forward, self.model, ("linear",))  # its modules' F.linear
         self.decoder = self._copy.get(self.model, dtype)  # made (again) here, not in a round
         self.h = None
         self.commit(0, target_features)

@@ -44,6 +44,11 @@ class MedusaHeads(nn.Module):
             self.lm_head = nn.Linear(hidden, cfg["draft_vocab_size"], bias=False)
         self._borrowed = (target_head,)  # a tuple: nn.Module does not register what is inside
 
+    @property
+    def borrowed_head(self) -> nn.Module | None:
+        """The target's LM head where the heads read out through it (not a submodule)."""
+        return self._borrowed[0] if self.lm_head is None else None
+
     def read_out(self, x: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(x)

@@ -93,6 +93,11 @@ class MTPModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.depths[0].eh_proj.weight.dtype
 
+    @property
+    def borrowed_head(self) -> nn.Module | None:
+        """The target's LM head where the modules read out through it (not a submodule)."""
+        return self._borrowed[1] if self.lm_head is None else None
+
     def read_out(self, normed: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """Logits from a module's normed output, through the shared LM head."""
         if self.lm_head is not None:
