@@ -195,3 +195,11 @@ def test_auto_decodes_in_the_measured_dtype_and_a_named_dtype_is_kept(monkeypatc
     assert decoding_dtype("transformers", head) == torch.float32
     assert decoding_dtype("auto", head.to(torch.float16)) == torch.float16  # nothing to halve
     assert len(asked) == 3
+
+
+def test_a_choice_is_described_by_row_count_ranges():
+    tuned = kernels.TunedLinear(
+        {1: "linear", 2: "linear", 4: "reordered", 8: "reordered", 32: "linear"}
+    )
+    assert tuned.describe() == "1-3 rows linear, 4-31 rows reordered, 32+ rows linear"
+    assert kernels.TunedLinear({1: "transposed"}).describe() == "1+ rows transposed"

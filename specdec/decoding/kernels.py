@@ -256,6 +256,17 @@ class TunedLinear:
         """The kernels it calls."""
         return set(self.choice.values())
 
+    def describe(self) -> str:
+        """The choice in words, by row-count ranges: ``1-3 rows linear, 4+ rows reordered``."""
+        items = list(self.choice.items())
+        runs = [(m, k) for i, (m, k) in enumerate(items) if i == 0 or items[i - 1][1] != k]
+        words = []
+        for (m, kernel), after in zip(runs, [*runs[1:], None], strict=True):
+            end = None if after is None else after[0] - 1
+            span = f"{m}+" if end is None else (f"{m}" if end == m else f"{m}-{end}")
+            words.append(f"{span} rows {kernel}")
+        return ", ".join(words)
+
 
 def tuned_linear(module: torch.nn.Module) -> TunedLinear:
     """The fastest ``F.linear`` (without reordered weights) for the products of ``module``'s

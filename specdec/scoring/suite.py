@@ -203,12 +203,19 @@ def run_eval(job: EvalJob) -> dict:
         },
         "settings": {k: v for k, v in asdict(job).items() if k not in ("methods", "force")},
         "verify_cost_ratio": {m: t / profile[1] for m, t in profile.items()},
+        "target_kernels": _kernels(sessions[()]),
         "configs": configs,
         "environment": environment(model),
     }
     results["certificates"] = certify(job, methods, target, encoded[job.warmup :], configs)
     results["seconds"] = time.perf_counter() - started
     return results
+
+
+def _kernels(session) -> str | None:
+    """The target session's matrix-product kernels by row count, where it measured them."""
+    linear = getattr(session, "linear", None)
+    return linear.describe() if linear is not None else None
 
 
 def confidence(job: EvalJob, method: mth.Method) -> float:

@@ -71,6 +71,10 @@ def markdown(results: dict, plots: list[str]) -> list[str]:
         "(what a chain of k pays at m = k + 1, a tree of n nodes at m = n + 1): "
         + " ".join(f"{m}:{r:.2f}" for m, r in results.get("verify_cost_ratio", {}).items()),
     ]
+    if results.get("target_kernels"):
+        lines.append(
+            f"- the target's matrix products, measured on this host: {results['target_kernels']}"
+        )
     for c in results["configs"]:
         lines += ["", f"## {_config_name(c)}", ""]
         plain = c["methods"]["plain"]
