@@ -151,9 +151,8 @@ def test_layout_choices():
     model = _model("llama")
     with pytest.raises(ValueError, match="compact layout 'fast': expected one of"):
         compact.CompactSession(model, torch.float32, layout="fast")
-    if kernels.packing_available():
-        with pytest.raises(ValueError, match="'packed': needs float32 on a CPU"):
-            compact.CompactSession(model, torch.float16, layout="packed")
+    with pytest.raises(ValueError, match="'packed': needs float32 on a CPU"):
+        compact.CompactSession(model, torch.float16, layout="packed")
     assert compact.CompactSession(model, torch.float16).layout == "tuned"  # on a CPU
     assert compact.CompactSession(model, torch.float32).layout == "tuned"
 

@@ -101,7 +101,7 @@ def kernels_for(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
 # measured choices, one per host process: (device, dtype, threads, kernels, rows, weight
 # shapes) -> {rows: kernel}; timing depends on nothing else, and retiming costs seconds
 _MEASURED: dict[tuple, dict[int, str]] = {}
-# the same for the decoding dtype: (device, threads, dtypes, weight shapes) -> dtype
+# the same for the decoding dtype: (device, threads, dtypes, kernels, weight shapes) -> dtype
 _DTYPES: dict[tuple, torch.dtype] = {}
 
 

@@ -73,7 +73,8 @@ def markdown(results: dict, plots: list[str]) -> list[str]:
     ]
     if results.get("target_kernels"):
         lines.append(
-            f"- the target's matrix products, measured on this host: {results['target_kernels']}"
+            "- the target's matrix-product kernels by row count (measured on this host where "
+            f"a CPU offers several): {results['target_kernels']}"
         )
     for c in results["configs"]:
         lines += ["", f"## {_config_name(c)}", ""]
