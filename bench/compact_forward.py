@@ -62,7 +62,7 @@ def main() -> None:
         ratios = "".join(f"{t[m] / results['transformers'][m]:>8.2f}x" for m in ms)
         print(f"  {name:<20}" + ratios)
     if tuned is not None:
-        print("tuned kernels: " + ", ".join(f"{m} rows {k}" for m, k in tuned.choice.items()))
+        print(f"tuned kernels: {tuned.describe()}")
     print(f"{'v(m) = t(m) / t(1)':<22}")
     for name, t in results.items():
         print(f"  {name:<20}" + "".join(f"{t[m] / t[1]:>9.2f}" for m in ms))

@@ -288,8 +288,9 @@ class Eagle3Drafter(TrainableDrafter):
         self.model.eval()
         self.decoder = self._decoder()
         weight = self.decoder.fc.weight
-        fast = weight.device.type == "cpu" and self.forward != "transformers"
-        self.linear = tuned_linear(self.decoder) if fast else torch.nn.functional.linear
+        # the kernels measured here (F.linear alone off a CPU), or the network's own forward's
+        own = self.forward == "transformers"
+        self.linear = torch.nn.functional.linear if own else tuned_linear(self.decoder)
         self.cache = DraftCache(self.decoder, weight.dtype)
         self.verified = 0  # cache entries made from the target's features (step 0)
         self.pending = self._fuse(target_features)  # [m, H] features not yet entered

@@ -232,8 +232,9 @@ class MTPDrafter(TrainableDrafter):
         self.model.eval()
         weight = self.model.depths[0].eh_proj.weight
         self.decoder = self._copy.get(self.model, decoding_dtype(self.forward, self.model))
-        fast = weight.device.type == "cpu" and self.forward != "transformers"
-        self.linear = tuned_linear(self.decoder) if fast else torch.nn.functional.linear
+        # the kernels measured here (F.linear alone off a CPU), or the network's own forward's
+        own = self.forward == "transformers"
+        self.linear = torch.nn.functional.linear if own else tuned_linear(self.decoder)
         self.caches = [ModuleCache(self.decoder) for _ in self.model.depths]
         # outs[0]: the target's features of the verified positions; outs[k]: module k's outputs
         size, dtype = self.model.cfg["hidden_size"], self.decoder.dtype
