@@ -12,9 +12,12 @@ import tiny_models
 import torch
 from test_cli_errors import error_line
 
+from specdec import drafters
+from specdec.scoring import methods as mth
 from specdec.scoring import suite
 from specdec.scoring.suite import EvalJob, bootstrap_ratio, run_eval
 from specdec.scoring.suite_report import compare, write_report
+from specdec.target import FrozenTarget
 
 ROWS = [
     {"prompt": "Say hello to the world and repeat hello world.", "task": "chat"},
@@ -361,6 +364,47 @@ def test_confidence_suffixes_it_refuses(capsys, files, tmp_path, no_model_loads)
          "confidence, not 'hf_prompt_lookup'"),
     ):  # fmt: skip
         assert message in error_line(capsys, [*argv, "--method", method]), method
+
+
+def test_min_ngram_suffixes_it_refuses(capsys, files, tmp_path, no_model_loads):
+    """``@min_ngram=N`` is prompt lookup's, alone or in a hybrid: refused elsewhere, below 1,
+    twice, or above the longest n-gram prompt lookup tries (3 unless --max-ngram), before any
+    model loads."""
+    root, _ = files
+    argv = ["eval", "--prompts", str(root / "p.jsonl"), "--out", str(tmp_path / "o")]
+    draft = f"draft_model:{root / 'draft'}"
+    for method, extra, message in (
+        ("prompt_lookup@min_ngram=0", [], "min_ngram=0: expected an integer >= 1"),
+        ("prompt_lookup@min_ngram=two", [], "min_ngram=two: expected an integer >= 1"),
+        ("prompt_lookup@min_ngram=2@min_ngram=3", [], "one min_ngram suffix at most"),
+        (f"{draft}@min_ngram=2", [], "sets prompt lookup's, alone or in front of a drafter"),
+        ("hf_prompt_lookup@min_ngram=2", [], "only a drafter of specdec's decoder takes a "
+         "prompt lookup setting, not 'hf_prompt_lookup'"),
+        (f"prompt_lookup+{draft}@min_ngram=4", [], "min_ngram=4 is longer than prompt "
+         "lookup's longest n-gram (3); raise --max-ngram"),
+        ("prompt_lookup@min_ngram=3", ["--max-ngram", "2"], "longest n-gram (2)"),
+    ):  # fmt: skip
+        assert message in error_line(capsys, [*argv, *extra, "--method", method]), method
+
+
+def test_min_ngram_reaches_prompt_lookup(files):
+    """The suffix sets prompt lookup's shortest match, alone and in a hybrid, with the other
+    suffixes beside it; without it a hybrid trusts matches from HYBRID_MIN_NGRAM tokens."""
+    root, target_dir = files
+    target = FrozenTarget.load(str(target_dir))
+    draft = f"draft_model:{root / 'draft'}"
+    alone = mth.parse("prompt_lookup@min_ngram=2@confidence=0.5")
+    hybrid = mth.parse(f"prompt_lookup+{draft}@min_ngram=3@confidence=0.3")
+    default = mth.parse(f"prompt_lookup+{draft}")
+    for method in (alone, hybrid, default):
+        mth.load(method, target)
+    assert (alone.min_ngram, alone.confidence, alone.drafter.min_ngram) == (2, 0.5, 2)
+    assert (hybrid.confidence, hybrid.drafter.lookup.min_ngram) == (0.3, 3)
+    assert default.min_ngram is None
+    assert default.drafter.lookup.min_ngram == drafters.HYBRID_MIN_NGRAM
+    longer = mth.parse(f"prompt_lookup+{draft}")
+    mth.load(longer, target, max_ngram=1)  # the default capped by a shorter longest n-gram
+    assert (longer.drafter.lookup.min_ngram, longer.drafter.lookup.max_ngram) == (1, 1)
 
 
 def test_a_chain_only_family_asked_for_a_tree(files, tmp_path):

@@ -235,3 +235,32 @@ def test_built_by_name(tiny_llama_dir, tmp_path):
         drafters.hybrid(hybrid.inner, ngram=2)
     with pytest.raises(ConfigError, match="min_match"):
         drafters.hybrid(hybrid.inner, min_match=0)
+
+
+class Fixed(Drafter):
+    """An inner drafter that always proposes token 99."""
+
+    name = "fixed"
+
+    def propose(self, sequence, k, params, generator=None):
+        return Proposal(torch.tensor([99]))
+
+
+@pytest.mark.parametrize(
+    ("sequence", "min_ngram", "want"),
+    [
+        ([5, 6, 7, 8, 1, 2, 6, 7], 2, [8, 1, 2, 6]),  # 2-gram (6, 7) seen at 1: copied
+        ([5, 6, 7, 8, 1, 2, 6, 7], 3, [99]),  # no earlier 3-gram: the inner drafter's
+        ([5, 6, 7, 8, 1, 5, 6, 7], 3, [8, 1, 5, 6]),  # 3-gram (5, 6, 7) seen at 0
+        ([5, 6, 7, 8, 1, 2, 3, 7], 1, [8, 1, 2, 3]),  # 1-gram (7) seen at 2
+        ([5, 6, 7, 8, 1, 2, 3, 7], 2, [99]),
+    ],
+)
+def test_matches_shorter_than_min_ngram_go_to_the_inner_drafter(sequence, min_ngram, want):
+    """The hybrid's prompt lookup trusts matches of at least ``min_ngram`` tokens; after a
+    shorter one the inner drafter proposes (k = 4)."""
+    hybrid = drafters.hybrid(Fixed(), min_ngram=min_ngram)
+    proposal = hybrid.propose(sequence, 4, SamplingParams())
+    assert proposal.tokens.tolist() == want
+    source = LOOKUP if want[0] != 99 else "fixed"
+    assert hybrid.rounds_by_source == {source: 1}

@@ -19,7 +19,7 @@ from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.hybrid import HybridDrafter
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.mtp import MTPDrafter
-from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from specdec.drafters.vocabulary import token_counts
 from specdec.errors import ConfigError, ModelError
 
@@ -126,6 +126,9 @@ def from_model(model, target) -> Drafter:
 #: how method specs (``specdec eval``) name a hybrid over another drafter, and a transformers
 #: causal LM drafting as a draft model: ``prompt_lookup+PATH``, ``draft_model:PATH``
 HYBRID_PREFIX = PromptLookupDrafter.name + "+"
+#: a hybrid's prompt lookup trusts matches of this many tokens or more (or its longest n-gram,
+#: if shorter); the other drafter guesses better after shorter ones (README, "The hybrid")
+HYBRID_MIN_NGRAM = 3
 MODEL_PREFIX = DraftModelDrafter.name + ":"
 
 
@@ -145,6 +148,8 @@ def hybrid(inner: Drafter, **lookup_settings) -> Drafter:
     min_match = settings.pop("min_match", 2)
     if unknown := set(settings) - {"max_ngram", "min_ngram"}:
         raise ConfigError(f"unknown prompt lookup settings {sorted(unknown)}")
+    longest = settings.setdefault("max_ngram", PromptLookupConfig().max_ngram)
+    settings.setdefault("min_ngram", min(HYBRID_MIN_NGRAM, longest))
     try:
         return HybridDrafter(PromptLookupDrafter(**settings), inner, min_match=min_match)
     except ValueError as err:

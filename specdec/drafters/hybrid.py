@@ -8,6 +8,11 @@ long, and the inner drafter's proposal otherwise: the selection by match length 
 Decoding (Hu et al. 2024, "SAM Decoding: Speculative Decoding via Suffix Automaton"), with
 prompt lookup's own matching rule (the latest occurrence of the longest suffix n-gram).
 
+How long a match must be is prompt lookup's ``min_ngram`` (:func:`specdec.drafters.hybrid`
+sets it to ``HYBRID_MIN_NGRAM`` unless told). After a one-token match a copied token is no
+likelier than a trained head's guess; after three tokens it is far likelier (README, "The
+hybrid's shortest match").
+
 Exactness: which drafter proposes is decided from the sequence alone, before anything is
 drawn, so every round is an ordinary speculative step with that drafter's draft and its own
 q (prompt lookup's is deterministic: ``probs=None``, a one-hot q). Greedy decoding stays

@@ -18,6 +18,8 @@ A method is specdec's decoder with a drafter, or transformers' own ``generate``:
 - ``SPEC@confidence=C``: a drafter of the above stopping its chain (or a tree's growth) once
   its probability falls below ``C``, whatever ``--draft-confidence`` says, so drafters tuned to
   different stops run side by side (``best@static@confidence=0.3``).
+- ``SPEC@min_ngram=N``: prompt lookup (alone or in a hybrid) trusting only matches of at least
+  ``N`` tokens; in a hybrid the other drafter drafts where prompt lookup finds none.
 
 Specs are parsed (:func:`parse`) before any model loads, so a method that does not exist, a
 missing path or a checkpoint of another target fails in one line first.
@@ -41,6 +43,7 @@ PLAIN, GENERATE = "plain", "generate"
 CHECKPOINT, HF_ASSISTED, HF_PROMPT_LOOKUP = "checkpoint:", "hf_assisted:", "hf_prompt_lookup"
 TREES = ("dynamic", "static")  # the ``@TREE`` suffixes
 CONFIDENCE = "confidence="  # the ``@confidence=C`` suffix
+MIN_NGRAM = "min_ngram="  # the ``@min_ngram=N`` suffix
 DRAFT_MODEL, HYBRID = drafters.MODEL_PREFIX, drafters.HYBRID_PREFIX
 
 
@@ -59,6 +62,8 @@ class Method:
         assistant: the loaded draft model (``hf_assisted``).
         tree: ``chain``, or the tree its drafter verifies (``dynamic``, ``static``).
         confidence: its own draft confidence stop (``@confidence=C``); None: the run's.
+        min_ngram: prompt lookup's shortest trusted match (``@min_ngram=N``); None: its
+            default (1 alone, :data:`specdec.drafters.HYBRID_MIN_NGRAM` in a hybrid).
     """
 
     name: str
@@ -71,6 +76,7 @@ class Method:
     meta: dict = field(default_factory=dict)
     tree: str = "chain"
     confidence: float | None = None
+    min_ngram: int | None = None
 
     @property
     def speculative(self) -> bool:
@@ -86,19 +92,22 @@ def parse(spec: str) -> Method:
     """
     spec = spec.strip()
     base, suffixes = spec, []
-    while (cut := base.rpartition("@"))[1] and (cut[2] in TREES or cut[2].startswith(CONFIDENCE)):
+    while (cut := base.rpartition("@"))[1] and (
+        cut[2] in TREES or cut[2].startswith((CONFIDENCE, MIN_NGRAM))
+    ):
         base, suffixes = cut[0], [cut[2], *suffixes]
     if not suffixes:
         return _parse_base(spec)
     method = _parse_base(base)
     trees = [s for s in suffixes if s in TREES]
-    stops = [s for s in suffixes if s not in TREES]
-    if len(trees) > 1:
-        raise ConfigError(f"method '{spec}': one tree suffix at most")
-    if len(stops) > 1:
-        raise ConfigError(f"method '{spec}': one confidence suffix at most")
+    stops = [s for s in suffixes if s.startswith(CONFIDENCE)]
+    ngrams = [s for s in suffixes if s.startswith(MIN_NGRAM)]
+    for kind, given in (("tree", trees), ("confidence", stops), ("min_ngram", ngrams)):
+        if len(given) > 1:
+            raise ConfigError(f"method '{spec}': one {kind} suffix at most")
     if method.kind != "drafter":
         does = "verifies trees" if trees else "takes a draft confidence"
+        does = "takes a prompt lookup setting" if ngrams and not (trees or stops) else does
         raise ConfigError(
             f"method '{spec}': only a drafter of specdec's decoder {does}, not '{base}'"
         )
@@ -107,7 +116,21 @@ def parse(spec: str) -> Method:
         method.tree = trees[0]
     if stops:
         method.confidence = _confidence(spec, stops[0])
+    if ngrams:
+        if not (method.hybrid or method.source == drafters.PromptLookupDrafter.name):
+            raise ConfigError(
+                f"method '{spec}': @{MIN_NGRAM}N sets prompt lookup's, alone or in front of a "
+                f"drafter ({HYBRID}PATH); '{base}' has none"
+            )
+        method.min_ngram = _min_ngram(spec, ngrams[0])
     return method
+
+
+def _min_ngram(spec: str, suffix: str) -> int:
+    text = suffix.removeprefix(MIN_NGRAM)
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"method '{spec}': {suffix}: expected an integer >= 1")
+    return int(text)
 
 
 def _confidence(spec: str, suffix: str) -> float:
@@ -187,10 +210,11 @@ def load(method: Method, target, max_ngram: int | None = None) -> None:
         elif method.load == "model":
             drafter = drafters.from_model(method.source, target)
         else:
-            drafter = drafters.build(
-                target, drafters.config_for(method.source, max_ngram=max_ngram)
-            )
-        method.drafter = drafters.hybrid(drafter, max_ngram=max_ngram) if method.hybrid else drafter
+            settings = {"max_ngram": max_ngram, "min_ngram": method.min_ngram}
+            drafter = drafters.build(target, drafters.config_for(method.source, **settings))
+        if method.hybrid:
+            drafter = drafters.hybrid(drafter, max_ngram=max_ngram, min_ngram=method.min_ngram)
+        method.drafter = drafter
         if method.tree != "chain" and not method.drafter.branches:
             raise ConfigError(
                 f"method '{method.name}': a '{method.drafter.name}' drafter drafts chains "

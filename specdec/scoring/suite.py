@@ -24,6 +24,7 @@ import torch
 from specdec.data.chat import prompt_messages
 from specdec.decoding.compact import target_session
 from specdec.decoding.speculative import cheapest_verify_lengths, generate
+from specdec.drafters.prompt_lookup import PromptLookupConfig
 from specdec.errors import ConfigError
 from specdec.scoring import methods as mth
 from specdec.scoring import metrics
@@ -121,6 +122,12 @@ class EvalJob:
                 f"--method given twice: {sorted(n for n in names if names.count(n) > 1)[0]}"
             )
         methods = [mth.parse(name) for name in names]
+        longest = self.max_ngram or PromptLookupConfig().max_ngram
+        if over := next((m for m in methods if (m.min_ngram or 0) > longest), None):
+            raise ConfigError(
+                f"method '{over.name}': min_ngram={over.min_ngram} is longer than prompt "
+                f"lookup's longest n-gram ({longest}); raise --max-ngram"
+            )
         static = next((m.name for m in methods if m.tree == "static"), None)
         if static and self.warmup < 1:
             raise ConfigError(
