@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="repeatable: plain, generate, prompt_lookup, a checkpoint dir, draft_model:PATH, "
         "prompt_lookup+PATH, hf_assisted:PATH, hf_prompt_lookup (plain and generate always run); "
         "a drafter with @dynamic or @static verifies trees, with @confidence=C stops at its "
-        "own C",
+        "own C; prompt lookup (alone or in a hybrid) with @min_ngram=N trusts matches of N "
+        "tokens or more (a hybrid's default: 3)",
     )
     v.add_argument("--out", required=True, help="directory for results.json, report.md, plots")
     v.add_argument("--prompts", help="comma-separated prompt files, packaged names or hub ids")

@@ -127,7 +127,7 @@ def from_model(model, target) -> Drafter:
 #: causal LM drafting as a draft model: ``prompt_lookup+PATH``, ``draft_model:PATH``
 HYBRID_PREFIX = PromptLookupDrafter.name + "+"
 #: a hybrid's prompt lookup trusts matches of this many tokens or more (or its longest n-gram,
-#: if shorter); the other drafter guesses better after shorter ones (README, "The hybrid")
+#: if shorter); the other drafter guesses as well after shorter ones (``bench/draft_misses.py``)
 HYBRID_MIN_NGRAM = 3
 MODEL_PREFIX = DraftModelDrafter.name + ":"
 

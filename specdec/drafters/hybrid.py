@@ -10,8 +10,8 @@ prompt lookup's own matching rule (the latest occurrence of the longest suffix n
 
 How long a match must be is prompt lookup's ``min_ngram`` (:func:`specdec.drafters.hybrid`
 sets it to ``HYBRID_MIN_NGRAM`` unless told). After a one-token match a copied token is no
-likelier than a trained head's guess; after three tokens it is far likelier (README, "The
-hybrid's shortest match").
+likelier than a trained head's guess; after three tokens it is far likelier (README, "Where
+the EAGLE-3 head misses, and the hybrid"; ``bench/draft_misses.py``).
 
 Exactness: which drafter proposes is decided from the sequence alone, before anything is
 drawn, so every round is an ordinary speculative step with that drafter's draft and its own
