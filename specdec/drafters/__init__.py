@@ -114,6 +114,11 @@ def config_for(name: str, **values):
     return cls(**known)
 
 
+def has_option(name: str, option: str) -> bool:
+    """Whether the ``name`` family's config has ``option`` (a command's setting applies)."""
+    return option in drafter_class(name).config_class.__dataclass_fields__
+
+
 def from_model(model, target) -> Drafter:
     """Any transformers causal LM that shares the target's tokenizer, as a drafter: a model
     object, or a path or hub id to load."""
@@ -129,6 +134,8 @@ HYBRID_PREFIX = PromptLookupDrafter.name + "+"
 #: a hybrid's prompt lookup trusts matches of this many tokens or more (or its longest n-gram,
 #: if shorter); the other drafter guesses as well after shorter ones (``bench/draft_misses.py``)
 HYBRID_MIN_NGRAM = 3
+#: the longest n-gram prompt lookup (alone or in a hybrid) tries unless a command sets it
+LOOKUP_MAX_NGRAM = PromptLookupConfig().max_ngram
 MODEL_PREFIX = DraftModelDrafter.name + ":"
 
 
@@ -148,7 +155,7 @@ def hybrid(inner: Drafter, **lookup_settings) -> Drafter:
     min_match = settings.pop("min_match", 2)
     if unknown := set(settings) - {"max_ngram", "min_ngram"}:
         raise ConfigError(f"unknown prompt lookup settings {sorted(unknown)}")
-    longest = settings.setdefault("max_ngram", PromptLookupConfig().max_ngram)
+    longest = settings.setdefault("max_ngram", LOOKUP_MAX_NGRAM)
     settings.setdefault("min_ngram", min(HYBRID_MIN_NGRAM, longest))
     try:
         return HybridDrafter(PromptLookupDrafter(**settings), inner, min_match=min_match)
@@ -163,7 +170,9 @@ def training_free() -> list[str]:
 
 __all__ = [
     "DEFAULT_FAMILY",
+    "HYBRID_MIN_NGRAM",
     "HYBRID_PREFIX",
+    "LOOKUP_MAX_NGRAM",
     "MODEL_PREFIX",
     "REGISTRY",
     "Drafter",
@@ -177,6 +186,7 @@ __all__ = [
     "drafter_class",
     "family_of",
     "from_model",
+    "has_option",
     "hybrid",
     "is_trainable",
     "load",

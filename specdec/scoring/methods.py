@@ -117,7 +117,8 @@ def parse(spec: str) -> Method:
     if stops:
         method.confidence = _confidence(spec, stops[0])
     if ngrams:
-        if not (method.hybrid or method.source == drafters.PromptLookupDrafter.name):
+        own = method.load == "family" and drafters.has_option(method.source, "min_ngram")
+        if not (method.hybrid or own):
             raise ConfigError(
                 f"method '{spec}': @{MIN_NGRAM}N sets prompt lookup's, alone or in front of a "
                 f"drafter ({HYBRID}PATH); '{base}' has none"

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec import drafters
 from specdec.data.chat import prompt_messages
 from specdec.decoding.compact import target_session
 from specdec.decoding.speculative import cheapest_verify_lengths, generate
-from specdec.drafters.prompt_lookup import PromptLookupConfig
 from specdec.errors import ConfigError
 from specdec.scoring import methods as mth
 from specdec.scoring import metrics
@@ -122,7 +122,7 @@ class EvalJob:
                 f"--method given twice: {sorted(n for n in names if names.count(n) > 1)[0]}"
             )
         methods = [mth.parse(name) for name in names]
-        longest = self.max_ngram or PromptLookupConfig().max_ngram
+        longest = self.max_ngram or drafters.LOOKUP_MAX_NGRAM
         if over := next((m for m in methods if (m.min_ngram or 0) > longest), None):
             raise ConfigError(
                 f"method '{over.name}': min_ngram={over.min_ngram} is longer than prompt "
