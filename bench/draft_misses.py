@@ -29,6 +29,7 @@ import torch
 
 from specdec import drafters
 from specdec.data.chat import prompt_messages
+from specdec.decoding.sampling import SamplingParams
 from specdec.scoring.command import load_prompts
 from specdec.scoring.run import encode_prompt
 from specdec.target import FrozenTarget
@@ -36,15 +37,14 @@ from specdec.target import FrozenTarget
 EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.01)
 
 
-def lookup(tokens: list[int], end: int, longest: int) -> tuple[int, int | None]:
-    """Prompt lookup's guess for ``tokens[end]`` from ``tokens[:end]``: the longest suffix
-    n-gram (n <= ``longest``) that occurred earlier, and the token after its latest earlier
-    occurrence; ``(0, None)`` without one."""
-    for n in range(min(longest, end - 1), 0, -1):
-        suffix = tokens[end - n : end]
-        for start in range(end - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                return n, tokens[start + n]
+def lookup(lookups: dict, tokens: list[int], end: int) -> tuple[int, int | None]:
+    """Prompt lookup's guess for ``tokens[end]`` from ``tokens[:end]``, by the longest n-gram
+    that matches (``lookups``: n -> the prompt lookup of a hybrid trusting exactly n-grams,
+    longest first): n and the copied token, ``(0, None)`` without a match."""
+    for n, finder in lookups.items():
+        found = finder.propose(tokens[:end], 1, SamplingParams())
+        if len(found):
+            return n, int(found.tokens[0])
     return 0, None
 
 
@@ -60,6 +60,10 @@ def positions(drafter, target, prompt: list[int], max_new_tokens: int, longest: 
     logits = drafter.module(ids, None, [out.hidden_states[i] for i in layers])[0, 0]
     probs = out.logits[0].float().softmax(-1)
     tokens, ahead = ids[0].tolist(), 1 + drafter.shift  # row t predicts token t + ahead
+    # the prompt lookup a hybrid asks first, one per n-gram length (longest first)
+    lookups = {
+        n: drafters.hybrid(drafter, max_ngram=n, min_ngram=n).lookup for n in range(longest, 0, -1)
+    }
     draft_ids = getattr(drafter, "draft_ids", None)
     to_target = (lambda x: x) if draft_ids is None else (lambda x: draft_ids[x])
     # the first answer token comes from the prompt's forward; drafts propose the ones after
@@ -72,7 +76,7 @@ def positions(drafter, target, prompt: list[int], max_new_tokens: int, longest: 
     sure = probs[rows + ahead - 1].max(dim=-1).values
     own = logits[rows].float().softmax(dim=-1).max(dim=-1).values
     for j, t in enumerate(rows.tolist()):
-        n, copy = lookup(tokens, t + ahead, longest)
+        n, copy = lookup(lookups, tokens, t + ahead)
         yield (
             float(sure[j]), bool(top2[j, 0] == gold[j]), bool((top2[j] == gold[j]).any()),
             bool(inside[j]), n, copy == tokens[t + ahead], float(own[j]),

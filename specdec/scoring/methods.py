@@ -106,8 +106,11 @@ def parse(spec: str) -> Method:
         if len(given) > 1:
             raise ConfigError(f"method '{spec}': one {kind} suffix at most")
     if method.kind != "drafter":
-        does = "verifies trees" if trees else "takes a draft confidence"
-        does = "takes a prompt lookup setting" if ngrams and not (trees or stops) else does
+        does = (
+            "verifies trees" if trees
+            else "takes a draft confidence" if stops
+            else "takes a prompt lookup setting"
+        )  # fmt: skip
         raise ConfigError(
             f"method '{spec}': only a drafter of specdec's decoder {does}, not '{base}'"
         )
