@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt_lookup+PATH, hf_assisted:PATH, hf_prompt_lookup (plain and generate always run); "
         "a drafter with @dynamic or @static verifies trees, with @confidence=C stops at its "
         "own C; prompt lookup (alone or in a hybrid) with @min_ngram=N trusts matches of N "
-        "tokens or more (a hybrid's default: 3)",
+        "tokens or more (a hybrid's default: 3), with @copy_start=N copies N tokens at first "
+        "and twice as many after each copy accepted whole, up to k (default 4; 0: always k)",
     )
     v.add_argument("--out", required=True, help="directory for results.json, report.md, plots")
     v.add_argument("--prompts", help="comma-separated prompt files, packaged names or hub ids")

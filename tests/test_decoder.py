@@ -194,6 +194,53 @@ def test_prompt_lookup_copies_the_latest_match():
     assert drafter.propose([1, 2, 3], 3, SamplingParams()).tokens.tolist() == []
 
 
+def test_prompt_lookup_copies_grow_while_accepted_whole():
+    """A copy is 4 tokens at first, twice as long after each copy accepted whole (capped by
+    the round's k, also for the next round's growth), and 4 again after a copy cut short or
+    a round without one; with copy_start 0 every copy takes the whole k."""
+    seq = list(range(1, 21)) + [1, 2, 3]  # (1, 2, 3) seen at 0: the copy is 4, 5, 6, ...
+    cont, greedy = list(range(4, 21)), SamplingParams()
+    drafter = PromptLookupDrafter(max_ngram=3)
+    drafter.begin(seq)
+    rounds = [  # (k, sequence, tokens the target accepts) -> the copy proposed
+        ((16, seq, 4), cont[:4]),
+        ((16, seq, 8), cont[:8]),  # accepted whole: doubled
+        ((16, seq, 16), cont[:16]),
+        ((16, seq, 3), cont[:16]),  # the cap is k, not 32
+        ((16, seq, 4), cont[:4]),  # cut short before: back to 4
+        ((16, [7, 8, 9], 0), []),  # no match
+        ((16, seq, 4), cont[:4]),  # a round without a copy: back to 4
+        ((2, seq, 2), cont[:2]),  # accepted whole, but k was 2: it grows to 4 at most
+        ((16, seq, 0), cont[:4]),
+    ]
+    for (k, sequence, accepted), want in rounds:
+        assert drafter.propose(sequence, k, greedy).tokens.tolist() == want, (k, want)
+        drafter.commit(accepted)
+    drafter.commit(0)
+    drafter.begin(seq)  # a new sequence starts at 4
+    assert drafter.propose(seq, 16, greedy).tokens.tolist() == cont[:4]
+    fixed = PromptLookupDrafter(max_ngram=3, copy_start=0)
+    assert fixed.propose(seq, 16, greedy).tokens.tolist() == cont[:16]
+    fixed.commit(0)
+    assert fixed.propose(seq, 5, greedy).tokens.tolist() == cont[:5]
+    with pytest.raises(ValueError, match="copy_start must be >= 0"):
+        PromptLookupDrafter(copy_start=-1)
+
+
+def test_growing_copies_stay_greedy_exact(tiny_llama):
+    """Prompt lookup on a prompt that repeats the target's own greedy continuation: copies
+    grow past 4 tokens, get accepted, and the output is plain greedy decoding's."""
+    model, _ = tiny_llama
+    session = ModelSession(model)
+    base = [5, 17, 42, 8, 99, 23, 61]
+    prompt = base + generate(session, base, max_new_tokens=40).tokens + base
+    plain = generate(session, prompt, max_new_tokens=48)
+    got = generate(session, prompt, drafter=PromptLookupDrafter(), k=12, max_new_tokens=48)
+    assert got.tokens == plain.tokens
+    assert max(got.drafted) > 4 and max(got.drafted) <= 12, got.drafted
+    assert max(got.accepted) > 4, got.accepted
+
+
 def test_cheapest_verify_lengths_follow_the_profile():
     # a CPU-like profile: 2 and 3 tokens cost more than 5
     profile = {1: 1.0, 2: 1.6, 3: 2.0, 4: 1.5, 5: 1.3}

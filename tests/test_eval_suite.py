@@ -383,6 +383,9 @@ def test_min_ngram_suffixes_it_refuses(capsys, files, tmp_path, no_model_loads):
         (f"prompt_lookup+{draft}@min_ngram=4", [], "min_ngram=4 is longer than prompt "
          "lookup's longest n-gram (3); raise --max-ngram"),
         ("prompt_lookup@min_ngram=3", ["--max-ngram", "2"], "longest n-gram (2)"),
+        ("prompt_lookup@copy_start=-1", [], "copy_start=-1: expected an integer >= 0"),
+        ("prompt_lookup@copy_start=2@copy_start=4", [], "one copy_start suffix at most"),
+        (f"{draft}@copy_start=8", [], "@copy_start=N sets prompt lookup's"),
     ):  # fmt: skip
         assert message in error_line(capsys, [*argv, *extra, "--method", method]), method
 
@@ -405,6 +408,23 @@ def test_min_ngram_reaches_prompt_lookup(files):
     longer = mth.parse(f"prompt_lookup+{draft}")
     mth.load(longer, target, max_ngram=1)  # the default capped by a shorter longest n-gram
     assert (longer.drafter.lookup.min_ngram, longer.drafter.lookup.max_ngram) == (1, 1)
+
+
+def test_copy_start_reaches_prompt_lookup(files):
+    """``@copy_start=N`` sets prompt lookup's first copy length, alone and in a hybrid, beside
+    the other suffixes (0: always k); without it the config's default, 4."""
+    root, target_dir = files
+    target = FrozenTarget.load(str(target_dir))
+    draft = f"draft_model:{root / 'draft'}"
+    alone = mth.parse("prompt_lookup@copy_start=0")
+    hybrid = mth.parse(f"prompt_lookup+{draft}@min_ngram=2@copy_start=8@confidence=0.3")
+    default = mth.parse(f"prompt_lookup+{draft}")
+    for method in (alone, hybrid, default):
+        mth.load(method, target)
+    assert (alone.copy_start, alone.drafter.copy_start, alone.drafter.limit(12)) == (0, 0, 12)
+    lookup = hybrid.drafter.lookup
+    assert (lookup.copy_start, lookup.min_ngram, hybrid.confidence) == (8, 2, 0.3)
+    assert default.copy_start is None and default.drafter.lookup.limit(12) == 4
 
 
 def test_a_chain_only_family_asked_for_a_tree(files, tmp_path):

@@ -58,12 +58,17 @@ class Recorder(Drafter):
     Args:
         sampled: draft at temperature 1 from an own generator, whatever the decoding's
             params (a greedy verification takes any draft), so that q can be compared.
+        commits: log its commits (one of two recorders sharing a log: a round's one).
     """
 
-    def __init__(self, drafter: Drafter, log: list, sampled: bool = False):
+    def __init__(self, drafter: Drafter, log: list, sampled: bool = False, commits=True):
         self.drafter, self.log, self.name = drafter, log, drafter.name
+        self.commits = commits
         self.required_target_layers = drafter.required_target_layers
         self.generator = torch.Generator().manual_seed(0) if sampled else None
+
+    def __getattr__(self, name):  # what else the hybrid asks of it (prompt lookup's limit)
+        return getattr(self.__dict__["drafter"], name)
 
     def configure(self, forward="auto", confidence=0.0, tree=None):
         self.drafter.configure(forward, confidence, tree)
@@ -81,17 +86,18 @@ class Recorder(Drafter):
         return proposal
 
     def commit(self, num_accepted, target_features=None):
-        self.log.append(("commit", num_accepted))
+        if self.commits:
+            self.log.append(("commit", num_accepted))
         self.drafter.commit(num_accepted, target_features)
 
 
 @pytest.mark.parametrize("family", ["draft_model", "eagle3"])
 def test_greedy_decoding_is_token_identical(target, family):
     """Plain greedy decoding's tokens, with prompt lookup and the inner drafter both drafting
-    (k from 1 to 5)."""
+    (k from 1 to 5, and 12, where copies can grow past 4)."""
     hybrid = drafters.hybrid(inner_drafter(target, family))
     session = target_session(target.model, "auto", hybrid.required_target_layers)
-    for k, prompt in zip([1, 3, 5, 2, 4, 4], prompts(target, session), strict=True):
+    for k, prompt in zip([1, 3, 5, 2, 4, 12], prompts(target, session), strict=True):
         plain = generate(session, prompt, max_new_tokens=32)
         spec = generate(session, prompt, drafter=hybrid, k=k, max_new_tokens=32)
         assert spec.tokens == plain.tokens, (family, k, prompt)
@@ -140,7 +146,8 @@ def test_inner_drafter_stays_in_step(target, family):
     target's own continuation; the inner drafter samples, so that q is compared.)"""
     inner, log = inner_drafter(target, family), []
     hybrid = HybridDrafter(
-        Recorder(drafters.PromptLookupDrafter(), log), Recorder(inner, log, sampled=True)
+        Recorder(drafters.PromptLookupDrafter(), log, commits=False),
+        Recorder(inner, log, sampled=True),
     )
     hybrid.configure("float32")  # no float16 copy: its rounding differs between the two
     session = target_session(target.model, "auto", hybrid.required_target_layers)
@@ -264,3 +271,25 @@ def test_matches_shorter_than_min_ngram_go_to_the_inner_drafter(sequence, min_ng
     assert proposal.tokens.tolist() == want
     source = LOOKUP if want[0] != 99 else "fixed"
     assert hybrid.rounds_by_source == {source: 1}
+
+
+def test_the_inner_drafters_rounds_restart_the_copy_length():
+    """Copies grow while accepted whole (4, 8, 16 at k = 16); a round of the inner drafter,
+    though it was accepted whole, starts them over at 4, as does a copy cut short."""
+    hybrid = drafters.hybrid(Fixed())
+    copy = list(range(1, 21)) + [1, 2, 3]  # (1, 2, 3) seen at 0: copies 4, 5, 6, ...
+    other = [30, 31, 32, 33]  # no earlier 3-gram: the inner drafter's [99]
+    cont = list(range(4, 21))
+    hybrid.begin(copy)
+    rounds = [  # (sequence, tokens the target accepts) -> the proposal
+        ((copy, 4), cont[:4]),
+        ((copy, 8), cont[:8]),
+        ((other, 1), [99]),
+        ((copy, 4), cont[:4]),  # after the inner drafter's round: 4 again
+        ((copy, 2), cont[:8]),
+        ((copy, 0), cont[:4]),  # after a copy cut short: 4 again
+    ]
+    for (sequence, accepted), want in rounds:
+        assert hybrid.propose(sequence, 16, SamplingParams()).tokens.tolist() == want, want
+        hybrid.commit(accepted)
+    assert hybrid.rounds_by_source == {LOOKUP: 5, "fixed": 1}

@@ -145,15 +145,15 @@ def hybrid(inner: Drafter, **lookup_settings) -> Drafter:
 
     Args:
         inner: the drafter of the rounds prompt lookup leaves.
-        lookup_settings: ``max_ngram`` and ``min_ngram`` of prompt lookup, ``min_match`` of
-            the hybrid; None keeps the default (a command's unset flags).
+        lookup_settings: ``max_ngram``, ``min_ngram`` and ``copy_start`` of prompt lookup,
+            ``min_match`` of the hybrid; None keeps the default (a command's unset flags).
 
     Raises:
         ConfigError: an unknown setting, or a value out of range.
     """
     settings = {k: v for k, v in lookup_settings.items() if v is not None}
     min_match = settings.pop("min_match", 2)
-    if unknown := set(settings) - {"max_ngram", "min_ngram"}:
+    if unknown := set(settings) - {"max_ngram", "min_ngram", "copy_start"}:
         raise ConfigError(f"unknown prompt lookup settings {sorted(unknown)}")
     longest = settings.setdefault("max_ngram", LOOKUP_MAX_NGRAM)
     settings.setdefault("min_ngram", min(HYBRID_MIN_NGRAM, longest))

@@ -6,7 +6,10 @@ trained drafter (a draft model, EAGLE-3) costs forwards but has a guess everywhe
 asks prompt lookup first and takes its continuation when it is at least ``min_match`` tokens
 long, and the inner drafter's proposal otherwise: the selection by match length of SAM
 Decoding (Hu et al. 2024, "SAM Decoding: Speculative Decoding via Suffix Automaton"), with
-prompt lookup's own matching rule (the latest occurrence of the longest suffix n-gram).
+prompt lookup's own matching rule (the latest occurrence of the longest suffix n-gram). Its
+copies grow while the target accepts them whole (prompt lookup's ``copy_start``) and the
+inner drafter's rounds start them over, so k can be large: the inner drafter's confidence
+stop ends its own chains.
 
 How long a match must be is prompt lookup's ``min_ngram`` (:func:`specdec.drafters.hybrid`
 sets it to ``HYBRID_MIN_NGRAM`` unless told). After a one-token match a copied token is no
@@ -49,7 +52,7 @@ class HybridDrafter(Drafter):
             tokens (any family; :meth:`configure` sets its knobs, and chains: the hybrid
             drafts no trees).
         min_match: the shortest continuation of prompt lookup worth proposing (capped at the
-            round's k: a one-token budget takes a one-token match).
+            round's copy length: a one-token budget takes a one-token match).
 
     Attributes:
         rounds_by_source: ``{drafter name: rounds it drafted}``, over every sequence so far.
@@ -103,7 +106,7 @@ class HybridDrafter(Drafter):
     ) -> Proposal:
         proposal = self.lookup.propose(sequence, k, params, generator)
         source = self.lookup.name
-        if len(proposal) < min(self.min_match, k):
+        if len(proposal) < min(self.min_match, self.lookup.limit(k)):
             proposal = self.inner.propose(sequence, k, params, generator)
             source = self.inner.name
         self.rounds_by_source[source] += 1
@@ -111,8 +114,11 @@ class HybridDrafter(Drafter):
         return proposal
 
     def commit(self, num_accepted: int, target_features: dict | None = None) -> None:
+        copied = 0  # what prompt lookup's copy length follows: its own rounds only
         if self._round is not None:  # None: a round without a proposal (no budget left)
             source, drafted = self._round
             self.accepted_by_source[source] += min(num_accepted, drafted)  # padding excluded
+            copied = num_accepted if source == self.lookup.name else 0
         self._round = None
+        self.lookup.commit(copied)
         self.inner.commit(num_accepted, target_features)

@@ -20,6 +20,8 @@ A method is specdec's decoder with a drafter, or transformers' own ``generate``:
   different stops run side by side (``best@static@confidence=0.3``).
 - ``SPEC@min_ngram=N``: prompt lookup (alone or in a hybrid) trusting only matches of at least
   ``N`` tokens; in a hybrid the other drafter drafts where prompt lookup finds none.
+- ``SPEC@copy_start=N``: prompt lookup (alone or in a hybrid) copying ``N`` tokens at first,
+  twice as many after each copy accepted whole (0: always k).
 
 Specs are parsed (:func:`parse`) before any model loads, so a method that does not exist, a
 missing path or a checkpoint of another target fails in one line first.
@@ -44,6 +46,9 @@ CHECKPOINT, HF_ASSISTED, HF_PROMPT_LOOKUP = "checkpoint:", "hf_assisted:", "hf_p
 TREES = ("dynamic", "static")  # the ``@TREE`` suffixes
 CONFIDENCE = "confidence="  # the ``@confidence=C`` suffix
 MIN_NGRAM = "min_ngram="  # the ``@min_ngram=N`` suffix
+COPY_START = "copy_start="  # the ``@copy_start=N`` suffix
+#: prompt lookup's settings a suffix sets (alone or in a hybrid): suffix -> the least value
+LOOKUP_SUFFIXES = {MIN_NGRAM: 1, COPY_START: 0}
 DRAFT_MODEL, HYBRID = drafters.MODEL_PREFIX, drafters.HYBRID_PREFIX
 
 
@@ -64,6 +69,7 @@ class Method:
         confidence: its own draft confidence stop (``@confidence=C``); None: the run's.
         min_ngram: prompt lookup's shortest trusted match (``@min_ngram=N``); None: its
             default (1 alone, :data:`specdec.drafters.HYBRID_MIN_NGRAM` in a hybrid).
+        copy_start: prompt lookup's first copy length (``@copy_start=N``); None: its default.
     """
 
     name: str
@@ -77,6 +83,7 @@ class Method:
     tree: str = "chain"
     confidence: float | None = None
     min_ngram: int | None = None
+    copy_start: int | None = None
 
     @property
     def speculative(self) -> bool:
@@ -93,7 +100,7 @@ def parse(spec: str) -> Method:
     spec = spec.strip()
     base, suffixes = spec, []
     while (cut := base.rpartition("@"))[1] and (
-        cut[2] in TREES or cut[2].startswith((CONFIDENCE, MIN_NGRAM))
+        cut[2] in TREES or cut[2].startswith((CONFIDENCE, *LOOKUP_SUFFIXES))
     ):
         base, suffixes = cut[0], [cut[2], *suffixes]
     if not suffixes:
@@ -101,8 +108,9 @@ def parse(spec: str) -> Method:
     method = _parse_base(base)
     trees = [s for s in suffixes if s in TREES]
     stops = [s for s in suffixes if s.startswith(CONFIDENCE)]
-    ngrams = [s for s in suffixes if s.startswith(MIN_NGRAM)]
-    for kind, given in (("tree", trees), ("confidence", stops), ("min_ngram", ngrams)):
+    lookups = {key: [s for s in suffixes if s.startswith(key)] for key in LOOKUP_SUFFIXES}
+    kinds = [("tree", trees), ("confidence", stops)]
+    for kind, given in kinds + [(key.rstrip("="), v) for key, v in lookups.items()]:
         if len(given) > 1:
             raise ConfigError(f"method '{spec}': one {kind} suffix at most")
     if method.kind != "drafter":
@@ -119,21 +127,24 @@ def parse(spec: str) -> Method:
         method.tree = trees[0]
     if stops:
         method.confidence = _confidence(spec, stops[0])
-    if ngrams:
-        own = method.load == "family" and drafters.has_option(method.source, "min_ngram")
+    for key, given in lookups.items():
+        if not given:
+            continue
+        setting = key.rstrip("=")
+        own = method.load == "family" and drafters.has_option(method.source, setting)
         if not (method.hybrid or own):
             raise ConfigError(
-                f"method '{spec}': @{MIN_NGRAM}N sets prompt lookup's, alone or in front of a "
+                f"method '{spec}': @{key}N sets prompt lookup's, alone or in front of a "
                 f"drafter ({HYBRID}PATH); '{base}' has none"
             )
-        method.min_ngram = _min_ngram(spec, ngrams[0])
+        setattr(method, setting, _lookup_setting(spec, given[0], key))
     return method
 
 
-def _min_ngram(spec: str, suffix: str) -> int:
-    text = suffix.removeprefix(MIN_NGRAM)
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"method '{spec}': {suffix}: expected an integer >= 1")
+def _lookup_setting(spec: str, suffix: str, key: str) -> int:
+    text, least = suffix.removeprefix(key), LOOKUP_SUFFIXES[key]
+    if not text.isdigit() or int(text) < least:
+        raise ConfigError(f"method '{spec}': {suffix}: expected an integer >= {least}")
     return int(text)
 
 
@@ -215,9 +226,15 @@ def load(method: Method, target, max_ngram: int | None = None) -> None:
             drafter = drafters.from_model(method.source, target)
         else:
             settings = {"max_ngram": max_ngram, "min_ngram": method.min_ngram}
+            settings["copy_start"] = method.copy_start
             drafter = drafters.build(target, drafters.config_for(method.source, **settings))
         if method.hybrid:
-            drafter = drafters.hybrid(drafter, max_ngram=max_ngram, min_ngram=method.min_ngram)
+            drafter = drafters.hybrid(
+                drafter,
+                max_ngram=max_ngram,
+                min_ngram=method.min_ngram,
+                copy_start=method.copy_start,
+            )
         method.drafter = drafter
         if method.tree != "chain" and not method.drafter.branches:
             raise ConfigError(
