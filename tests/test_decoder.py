@@ -211,12 +211,11 @@ def test_prompt_lookup_copies_grow_while_accepted_whole():
         ((16, [7, 8, 9], 0), []),  # no match
         ((16, seq, 4), cont[:4]),  # a round without a copy: back to 4
         ((2, seq, 2), cont[:2]),  # accepted whole, but k was 2: it grows to 4 at most
-        ((16, seq, 0), cont[:4]),
+        ((16, seq, 4), cont[:4]),  # accepted whole: 8 next
     ]
     for (k, sequence, accepted), want in rounds:
         assert drafter.propose(sequence, k, greedy).tokens.tolist() == want, (k, want)
         drafter.commit(accepted)
-    drafter.commit(0)
     drafter.begin(seq)  # a new sequence starts at 4
     assert drafter.propose(seq, 16, greedy).tokens.tolist() == cont[:4]
     fixed = PromptLookupDrafter(max_ngram=3, copy_start=0)

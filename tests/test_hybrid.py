@@ -278,7 +278,9 @@ def test_the_inner_drafters_rounds_restart_the_copy_length():
     though it was accepted whole, starts them over at 4, as does a copy cut short."""
     hybrid = drafters.hybrid(Fixed())
     copy = list(range(1, 21)) + [1, 2, 3]  # (1, 2, 3) seen at 0: copies 4, 5, 6, ...
-    other = [30, 31, 32, 33]  # no earlier 3-gram: the inner drafter's [99]
+    # (7, 7, 7) seen at 1, but only one token follows it, too short a copy (under 2): the
+    # inner drafter's [99], which the target accepts, as it would have the one token [7]
+    other = [30, 7, 7, 7, 7]
     cont = list(range(4, 21))
     hybrid.begin(copy)
     rounds = [  # (sequence, tokens the target accepts) -> the proposal
