@@ -12,8 +12,8 @@ prompt) copies run on for dozens of tokens; elsewhere they break within a few. S
 ``copy_start`` tokens long at first, twice as long after each copy the target accepted
 whole, up to the round's k, and back to ``copy_start`` after any other round (a copy cut
 short, or a round without one). transformers' assisted generation schedules its draft
-length the same way, by 2 tokens up and 1 down. Each round's length depends only on earlier
-rounds, so decoding stays exact.
+length likewise, 2 tokens up after a draft accepted whole and 1 down otherwise. Each round's
+length depends only on earlier rounds, so decoding stays exact.
 """
 
 from __future__ import annotations

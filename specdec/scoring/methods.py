@@ -225,8 +225,11 @@ def load(method: Method, target, max_ngram: int | None = None) -> None:
         elif method.load == "model":
             drafter = drafters.from_model(method.source, target)
         else:
-            settings = {"max_ngram": max_ngram, "min_ngram": method.min_ngram}
-            settings["copy_start"] = method.copy_start
+            settings = {
+                "max_ngram": max_ngram,
+                "min_ngram": method.min_ngram,
+                "copy_start": method.copy_start,
+            }
             drafter = drafters.build(target, drafters.config_for(method.source, **settings))
         if method.hybrid:
             drafter = drafters.hybrid(
