@@ -390,22 +390,30 @@ def test_min_ngram_suffixes_it_refuses(capsys, files, tmp_path, no_model_loads):
         assert message in error_line(capsys, [*argv, *extra, "--method", method]), method
 
 
+def loaded(files, alone: str, hybrid: str):
+    """The methods ``alone`` and ``hybrid`` (its ``{hybrid}``: prompt lookup in front of the
+    test's draft model) and that hybrid without suffixes, loaded, and the target."""
+    root, target_dir = files
+    target = FrozenTarget.load(str(target_dir))
+    plain_hybrid = f"prompt_lookup+draft_model:{root / 'draft'}"
+    specs = (alone, hybrid.format(hybrid=plain_hybrid), plain_hybrid)
+    methods = [mth.parse(spec) for spec in specs]
+    for method in methods:
+        mth.load(method, target)
+    return (*methods, target)
+
+
 def test_min_ngram_reaches_prompt_lookup(files):
     """The suffix sets prompt lookup's shortest match, alone and in a hybrid, with the other
     suffixes beside it; without it a hybrid trusts matches from HYBRID_MIN_NGRAM tokens."""
-    root, target_dir = files
-    target = FrozenTarget.load(str(target_dir))
-    draft = f"draft_model:{root / 'draft'}"
-    alone = mth.parse("prompt_lookup@min_ngram=2@confidence=0.5")
-    hybrid = mth.parse(f"prompt_lookup+{draft}@min_ngram=3@confidence=0.3")
-    default = mth.parse(f"prompt_lookup+{draft}")
-    for method in (alone, hybrid, default):
-        mth.load(method, target)
+    alone, hybrid, default, target = loaded(
+        files, "prompt_lookup@min_ngram=2@confidence=0.5", "{hybrid}@min_ngram=3@confidence=0.3"
+    )
     assert (alone.min_ngram, alone.confidence, alone.drafter.min_ngram) == (2, 0.5, 2)
     assert (hybrid.confidence, hybrid.drafter.lookup.min_ngram) == (0.3, 3)
     assert default.min_ngram is None
     assert default.drafter.lookup.min_ngram == drafters.HYBRID_MIN_NGRAM
-    longer = mth.parse(f"prompt_lookup+{draft}")
+    longer = mth.parse(default.name)
     mth.load(longer, target, max_ngram=1)  # the default capped by a shorter longest n-gram
     assert (longer.drafter.lookup.min_ngram, longer.drafter.lookup.max_ngram) == (1, 1)
 
@@ -413,14 +421,9 @@ def test_min_ngram_reaches_prompt_lookup(files):
 def test_copy_start_reaches_prompt_lookup(files):
     """``@copy_start=N`` sets prompt lookup's first copy length, alone and in a hybrid, beside
     the other suffixes (0: always k); without it the config's default, 4."""
-    root, target_dir = files
-    target = FrozenTarget.load(str(target_dir))
-    draft = f"draft_model:{root / 'draft'}"
-    alone = mth.parse("prompt_lookup@copy_start=0")
-    hybrid = mth.parse(f"prompt_lookup+{draft}@min_ngram=2@copy_start=8@confidence=0.3")
-    default = mth.parse(f"prompt_lookup+{draft}")
-    for method in (alone, hybrid, default):
-        mth.load(method, target)
+    alone, hybrid, default, _ = loaded(
+        files, "prompt_lookup@copy_start=0", "{hybrid}@min_ngram=2@copy_start=8@confidence=0.3"
+    )
     assert (alone.copy_start, alone.drafter.copy_start, alone.drafter.limit(12)) == (0, 0, 12)
     lookup = hybrid.drafter.lookup
     assert (lookup.copy_start, lookup.min_ngram, hybrid.confidence) == (8, 2, 0.3)

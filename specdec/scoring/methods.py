@@ -45,10 +45,8 @@ PLAIN, GENERATE = "plain", "generate"
 CHECKPOINT, HF_ASSISTED, HF_PROMPT_LOOKUP = "checkpoint:", "hf_assisted:", "hf_prompt_lookup"
 TREES = ("dynamic", "static")  # the ``@TREE`` suffixes
 CONFIDENCE = "confidence="  # the ``@confidence=C`` suffix
-MIN_NGRAM = "min_ngram="  # the ``@min_ngram=N`` suffix
-COPY_START = "copy_start="  # the ``@copy_start=N`` suffix
-#: prompt lookup's settings a suffix sets (alone or in a hybrid): suffix -> the least value
-LOOKUP_SUFFIXES = {MIN_NGRAM: 1, COPY_START: 0}
+#: prompt lookup's settings an ``@NAME=N`` suffix sets (alone or in a hybrid): NAME -> least N
+LOOKUP_SETTINGS = {"min_ngram": 1, "copy_start": 0}
 DRAFT_MODEL, HYBRID = drafters.MODEL_PREFIX, drafters.HYBRID_PREFIX
 
 
@@ -100,7 +98,7 @@ def parse(spec: str) -> Method:
     spec = spec.strip()
     base, suffixes = spec, []
     while (cut := base.rpartition("@"))[1] and (
-        cut[2] in TREES or cut[2].startswith((CONFIDENCE, *LOOKUP_SUFFIXES))
+        cut[2] in TREES or cut[2].startswith((CONFIDENCE, *(f"{n}=" for n in LOOKUP_SETTINGS)))
     ):
         base, suffixes = cut[0], [cut[2], *suffixes]
     if not suffixes:
@@ -108,9 +106,8 @@ def parse(spec: str) -> Method:
     method = _parse_base(base)
     trees = [s for s in suffixes if s in TREES]
     stops = [s for s in suffixes if s.startswith(CONFIDENCE)]
-    lookups = {key: [s for s in suffixes if s.startswith(key)] for key in LOOKUP_SUFFIXES}
-    kinds = [("tree", trees), ("confidence", stops)]
-    for kind, given in kinds + [(key.rstrip("="), v) for key, v in lookups.items()]:
+    lookups = {n: [s for s in suffixes if s.startswith(f"{n}=")] for n in LOOKUP_SETTINGS}
+    for kind, given in [("tree", trees), ("confidence", stops), *lookups.items()]:
         if len(given) > 1:
             raise ConfigError(f"method '{spec}': one {kind} suffix at most")
     if method.kind != "drafter":
@@ -127,22 +124,21 @@ def parse(spec: str) -> Method:
         method.tree = trees[0]
     if stops:
         method.confidence = _confidence(spec, stops[0])
-    for key, given in lookups.items():
+    for setting, given in lookups.items():
         if not given:
             continue
-        setting = key.rstrip("=")
         own = method.load == "family" and drafters.has_option(method.source, setting)
         if not (method.hybrid or own):
             raise ConfigError(
-                f"method '{spec}': @{key}N sets prompt lookup's, alone or in front of a "
+                f"method '{spec}': @{setting}=N sets prompt lookup's, alone or in front of a "
                 f"drafter ({HYBRID}PATH); '{base}' has none"
             )
-        setattr(method, setting, _lookup_setting(spec, given[0], key))
+        setattr(method, setting, _lookup_setting(spec, given[0], setting))
     return method
 
 
-def _lookup_setting(spec: str, suffix: str, key: str) -> int:
-    text, least = suffix.removeprefix(key), LOOKUP_SUFFIXES[key]
+def _lookup_setting(spec: str, suffix: str, setting: str) -> int:
+    text, least = suffix.removeprefix(f"{setting}="), LOOKUP_SETTINGS[setting]
     if not text.isdigit() or int(text) < least:
         raise ConfigError(f"method '{spec}': {suffix}: expected an integer >= {least}")
     return int(text)
@@ -220,24 +216,16 @@ def check_targets(methods: list[Method], target_spec: str) -> None:
 def load(method: Method, target, max_ngram: int | None = None) -> None:
     """Load what the method needs, against ``target`` (a ``FrozenTarget``)."""
     if method.kind == "drafter":
+        # prompt lookup's settings, alone or in front of the drafter (None: its defaults)
+        lookup = {"max_ngram": max_ngram, **{n: getattr(method, n) for n in LOOKUP_SETTINGS}}
         if method.load == "checkpoint":
             drafter = drafters.load(method.source, target)
         elif method.load == "model":
             drafter = drafters.from_model(method.source, target)
         else:
-            settings = {
-                "max_ngram": max_ngram,
-                "min_ngram": method.min_ngram,
-                "copy_start": method.copy_start,
-            }
-            drafter = drafters.build(target, drafters.config_for(method.source, **settings))
+            drafter = drafters.build(target, drafters.config_for(method.source, **lookup))
         if method.hybrid:
-            drafter = drafters.hybrid(
-                drafter,
-                max_ngram=max_ngram,
-                min_ngram=method.min_ngram,
-                copy_start=method.copy_start,
-            )
+            drafter = drafters.hybrid(drafter, **lookup)
         method.drafter = drafter
         if method.tree != "chain" and not method.drafter.branches:
             raise ConfigError(
